@@ -1,0 +1,38 @@
+"""The `kvtier` command: one entry point, one module per subcommand (imported only when used)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module that defines `add_arguments(parser)` and `run(args) -> int`, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "check-config": ("kvtier.storage_backends.check_config", "load an LMCache YAML as LMCache does; fail loudly"),
+    "demo": ("kvtier.demo", "the main job: replay a multi-turn trace slice through LMCache + kvtier"),
+    "replay": ("kvtier.storage_backends.replay", "replay a request trace against eviction policies"),
+    "simulate": ("kvtier.scheduler_hooks.simulate", "discrete-event replay of scheduling policies"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    argv = sys.argv[1:] if argv is None else argv
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == wanted:  # import only the module that runs
+            importlib.import_module(module).add_arguments(p)
+    args, _ = parser.parse_known_args(argv) if wanted not in SUBCOMMANDS else (parser.parse_args(argv), None)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""POSIX I/O helpers for the SSD tier: page-aligned buffers and full, aligned pread/pwrite loops.
+
+Used where no CUDA driver exists (kvikio cannot run there). O_DIRECT needs the buffer address, the length and
+the file offset to be multiples of the logical block size; `ALIGN` (4 KiB) satisfies every common device.
+All calls release the GIL inside the kernel, so a thread pool gives real parallel I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+import numpy as np
+
+ALIGN = 4096
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """A zeroed, page-aligned, writable buffer (anonymous mmap)."""
+    return memoryview(mmap.mmap(-1, max(align_up(nbytes), ALIGN)))[:nbytes]
+
+
+def address_of(buf: memoryview) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data if len(buf) else 0
+
+
+def is_aligned(buf: memoryview, align: int = ALIGN) -> bool:
+    return address_of(buf) % align == 0
+
+
+def open_file(path: str, *, o_direct: bool, create: bool = True) -> int:
+    """Open for read/write, 0600. Raises OSError(EINVAL) where the file system refuses O_DIRECT."""
+    flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_CLOEXEC", 0)
+    if o_direct:
+        flags |= os.O_DIRECT
+    return os.open(path, flags, 0o600)
+
+
+def probe_o_direct(directory: str) -> None:
+    """Raise OSError if `directory`'s file system cannot do an aligned O_DIRECT write and read."""
+    probe = os.path.join(directory, ".o_direct_probe")
+    fd = open_file(probe, o_direct=True)
+    try:
+        buf = aligned_buffer(ALIGN)
+        pwrite_full(fd, buf, 0)
+        pread_full(fd, buf, 0)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def pread_full(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill `buf` from `offset`; raises EOFError on a short file (a truncated slot)."""
+    done, n = 0, len(buf)
+    while done < n:
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            raise EOFError(f"short read: {done} of {n} bytes at offset {offset}")
+        done += got
+
+
+def pwrite_full(fd: int, buf: memoryview, offset: int) -> None:
+    done, n = 0, len(buf)
+    while done < n:
+        put = os.pwritev(fd, [buf[done:]], offset + done)
+        if put == 0:
+            raise OSError(errno.EIO, "pwrite wrote nothing")
+        done += put

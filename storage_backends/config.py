@@ -1,0 +1,150 @@
+"""kvtier's settings: the `kvtier.*` keys of LMCache's `extra_config`, parsed into a typed, validated dataclass.
+
+Every key is documented in `KEYS` (also rendered into the README). Unknown `kvtier.*` keys, wrong types and
+out-of-range values raise `ConfigError` naming the key and the fix: LMCache only logs a plugin constructor's
+exception, so `kvtier check-config` (and the vLLM connector) call `parse_kvtier_config` up front to fail loudly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+PREFIX = "kvtier."
+
+
+class ConfigError(ValueError):
+    """A kvtier setting is missing, unknown or invalid; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    ssd_path: str
+    ssd_capacity_gb: float
+    io_threads: int = 4
+    io_engine: str = "auto"
+    o_direct: bool = True
+    durable_writes: bool = True
+    eviction_policy: str = "lru"
+    chunk_format: str = "KV_2LTD"
+    file_size_gb: float = 16.0
+    grow_step_mb: int = 1024
+    io_block_mb: int = 4
+    max_inflight_write_mb: int = 2048
+    backpressure_timeout_s: float = 10.0
+    pin_timeout_s: float = 600.0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.ssd_capacity_gb * (1 << 30))
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    name: str
+    kind: str  # "str" | "int" | "float" | "bool" | "choice"
+    help: str
+    required: bool = False
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    exclusive: bool = False  # minimum itself not allowed
+
+
+KEYS: tuple[KeySpec, ...] = (
+    KeySpec("ssd_path", "str", "Directory of the SSD tier's slot files (created 0700 if missing).", required=True),
+    KeySpec("ssd_capacity_gb", "float", "Upper bound of the SSD tier's size in GiB; unpinned chunks are evicted "
+            "to stay under it.", required=True, minimum=0.0, exclusive=True),
+    KeySpec("io_threads", "int", "Threads issuing pread/pwrite (or kvikio) requests in parallel.", minimum=1),
+    KeySpec("io_engine", "choice", "`auto` (kvikio when a CUDA driver is present, POSIX otherwise; logged), "
+            "`posix` or `kvikio` (fails at start if kvikio cannot run).", choices=("auto", "posix", "kvikio")),
+    KeySpec("o_direct", "bool", "Bypass the page cache (O_DIRECT). Start fails on file systems without it "
+            "(e.g. tmpfs) unless set to false."),
+    KeySpec("durable_writes", "bool", "fdatasync slot data before a chunk counts as stored (a crash loses no "
+            "committed chunk). Turn off only for throwaway caches."),
+    KeySpec("eviction_policy", "str", "Eviction policy of the SSD tier (`lru`, or any production policy "
+            "registered in kvtier.storage_backends.eviction)."),
+    KeySpec("chunk_format", "str", "LMCache MemoryFormat name that readers of this tier expect (`KV_2LTD` for "
+            "LMCache's own GPU connectors); slots of another format are misses."),
+    KeySpec("file_size_gb", "float", "Largest size of one slot file; the tier uses as many files as needed.",
+            minimum=0.0, exclusive=True),
+    KeySpec("grow_step_mb", "int", "Slot files grow (fallocate) by about this much at a time, never the whole "
+            "capacity up front.", minimum=1),
+    KeySpec("io_block_mb", "int", "Chunks are read and written as independent requests of this size, spread over "
+            "the I/O threads.", minimum=1),
+    KeySpec("max_inflight_write_mb", "int", "Host memory that queued SSD writes may hold; stores beyond it wait "
+            "(back-pressure) before being dropped and counted.", minimum=1),
+    KeySpec("backpressure_timeout_s", "float", "How long a store waits for queued writes to drain before its "
+            "chunk is dropped from the SSD tier (counted in kvtier_ssd_dropped_puts_total).", minimum=0.0),
+    KeySpec("pin_timeout_s", "float", "A pin (taken by a lookup) that nobody releases expires after this long, "
+            "so leaked pins cannot block eviction forever.", minimum=0.0),
+)
+_SPECS = {k.name: k for k in KEYS}
+
+
+def _coerce(spec: KeySpec, raw: Any) -> Any:
+    key = PREFIX + spec.name
+    if spec.kind == "str" or spec.kind == "choice":
+        if not isinstance(raw, str) or not raw:
+            raise ConfigError(f"{key} must be a non-empty string, got {raw!r}")
+        if spec.choices and raw not in spec.choices:
+            raise ConfigError(f"{key} must be one of {', '.join(spec.choices)}; got {raw!r}")
+        return raw
+    if spec.kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return raw.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key} must be true or false, got {raw!r}")
+    conv: Callable[[Any], Any] = int if spec.kind == "int" else float
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise ConfigError(f"{key} must be a number, got {type(raw).__name__} {raw!r}")
+    try:
+        value = conv(raw)
+        if spec.kind == "int" and isinstance(raw, float) and raw != int(raw):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{key} must be {'an integer' if spec.kind == 'int' else 'a number'}, got {raw!r}") from None
+    if spec.minimum is not None and (value <= spec.minimum if spec.exclusive else value < spec.minimum):
+        raise ConfigError(f"{key} must be {'>' if spec.exclusive else '>='} {spec.minimum:g}, got {raw!r}")
+    return value
+
+
+def parse_kvtier_config(extra_config: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None
+                        ) -> KVTierConfig:
+    """Build a KVTierConfig from LMCache's flat `extra_config` (keys `kvtier.<name>`), plus optional overrides.
+
+    Keys that do not start with `kvtier.` belong to LMCache or other plugins and are ignored here.
+    """
+    merged: dict[str, Any] = {}
+    for source in (extra_config or {}), (overrides or {}):
+        for k, v in source.items():
+            if isinstance(k, str) and k.startswith(PREFIX):
+                merged[k[len(PREFIX):]] = v
+    unknown = sorted(set(merged) - set(_SPECS))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(PREFIX + u for u in unknown)}; kvtier knows "
+            f"{', '.join(PREFIX + k.name for k in KEYS)} (see README, 'Configuration')"
+        )
+    missing = [k.name for k in KEYS if k.required and k.name not in merged]
+    if missing:
+        raise ConfigError(
+            f"missing {', '.join(PREFIX + m for m in missing)} in extra_config; e.g. "
+            f"'kvtier.ssd_path: /var/cache/kvtier' and 'kvtier.ssd_capacity_gb: 100'"
+        )
+    values = {name: _coerce(_SPECS[name], raw) for name, raw in merged.items()}
+    values["ssd_path"] = os.path.abspath(os.path.expanduser(values["ssd_path"]))
+    from kvtier.storage_backends.eviction import make_policy
+
+    try:
+        make_policy(values.get("eviction_policy", "lru"))
+    except ValueError as e:
+        raise ConfigError(f"kvtier.eviction_policy: {e}") from None
+    return KVTierConfig(**values)
+
+
+def config_to_extra(config: KVTierConfig) -> dict[str, Any]:
+    """The inverse of parse_kvtier_config: a flat `kvtier.*` dict (used to hand settings across processes)."""
+    return {PREFIX + f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

@@ -1,0 +1,43 @@
+"""Least-recently-used eviction: the tier's default and the baseline every other policy is measured against."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterator
+
+from kvtier.storage_backends.eviction.base import EvictionPolicy, Key, register_policy
+
+
+@register_policy
+class LRUPolicy(EvictionPolicy):
+    name = "lru"
+
+    def __init__(self, clock=None) -> None:
+        super().__init__(clock)
+        self._order: OrderedDict[Key, int] = OrderedDict()
+
+    def on_insert(self, key: Key, size: int = 1) -> None:
+        self._order[key] = size
+        self._order.move_to_end(key)
+
+    def on_access(self, key: Key) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def on_remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victims(self, need: int, evictable: Callable[[Key], bool]) -> Iterator[Key]:
+        freed = 0
+        for key in list(self._order):
+            if freed >= need:
+                return
+            if evictable(key):
+                freed += self._order[key]
+                yield key
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._order

@@ -1,0 +1,21 @@
+"""Prometheus metrics of kvtier's storage side (process-wide; per-tier exact counts live in `TierStats`)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+SSD_PUTS = Counter("kvtier_ssd_puts_total", "Chunks committed to the SSD tier")
+SSD_DROPPED = Counter("kvtier_ssd_dropped_puts_total", "Chunks not stored on the SSD tier", ["reason"])
+SSD_HITS = Counter("kvtier_ssd_hits_total", "Chunks served from the SSD tier")
+SSD_MISSES = Counter("kvtier_ssd_misses_total", "SSD-tier lookups or reads that found no usable chunk")
+SSD_CORRUPT = Counter("kvtier_ssd_corrupt_chunks_total", "Chunks dropped on read: checksum, torn, wrong key "
+                      "or layout", ["reason"])
+SSD_EVICTIONS = Counter("kvtier_ssd_evictions_total", "Chunks evicted from the SSD tier for capacity")
+SSD_BYTES_READ = Counter("kvtier_ssd_read_bytes_total", "Bytes read from the SSD tier")
+SSD_BYTES_WRITTEN = Counter("kvtier_ssd_written_bytes_total", "Bytes written to the SSD tier")
+SSD_USED_BYTES = Gauge("kvtier_ssd_used_bytes", "Bytes of committed slots in the SSD tier")
+SSD_INFLIGHT_WRITE_BYTES = Gauge("kvtier_ssd_inflight_write_bytes", "Host bytes held by queued SSD writes")
+SSD_READ_SECONDS = Histogram("kvtier_ssd_read_seconds", "Latency of one batched SSD-tier read",
+                             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+SSD_WRITE_SECONDS = Histogram("kvtier_ssd_write_seconds", "Latency from submit to commit of one chunk",
+                              buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

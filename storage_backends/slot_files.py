@@ -1,0 +1,75 @@
+"""The SSD tier's slot files: a few large files of fixed-size slots that grow in steps as slots are used.
+
+Slot `s` lives in file `s // slots_per_file` at offset `(s % slots_per_file) * slot_size`. Files are extended with
+`posix_fallocate` one step at a time (never the whole capacity up front), so a full disk shows up as ENOSPC when
+growing, before any data is written. File names come from the slot size and an index, never from keys.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvtier.kernels.posix_io import open_file
+
+
+class SlotFiles:
+    def __init__(self, directory: str, slot_size: int, slots_per_file: int, grow_step_slots: int,
+                 o_direct: bool) -> None:
+        self.directory = directory
+        self.slot_size = slot_size
+        self.slots_per_file = slots_per_file
+        self.grow_step_slots = max(1, grow_step_slots)
+        self.o_direct = o_direct
+        self._fds: dict[int, int] = {}
+        self._extent: dict[int, int] = {}  # file index -> slots allocated on disk
+        prefix = self._prefix()
+        for name in os.listdir(directory):
+            if name.startswith(prefix) and name.endswith(".dat"):
+                idx = int(name[len(prefix):-4])
+                fd = self._open(idx)
+                self._extent[idx] = os.fstat(fd).st_size // slot_size
+
+    def _prefix(self) -> str:
+        return f"slots-{self.slot_size // 1024}k-"
+
+    def path(self, file_idx: int) -> str:
+        return os.path.join(self.directory, f"{self._prefix()}{file_idx:04d}.dat")
+
+    def _open(self, idx: int) -> int:
+        fd = self._fds.get(idx)
+        if fd is None:
+            fd = open_file(self.path(idx), o_direct=self.o_direct)
+            self._fds[idx] = fd
+        return fd
+
+    def allocated_slots(self) -> int:
+        return sum(self._extent.values())
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(fd, byte offset) of a slot; the slot must be within the allocated extent for writes."""
+        idx, pos = divmod(slot, self.slots_per_file)
+        return self._open(idx), pos * self.slot_size
+
+    def is_allocated(self, slot: int) -> bool:
+        idx, pos = divmod(slot, self.slots_per_file)
+        return pos < self._extent.get(idx, 0)
+
+    def ensure(self, slot: int) -> None:
+        """Grow the slot's file (by whole steps) so that the slot exists on disk. Raises OSError (ENOSPC...)."""
+        idx, pos = divmod(slot, self.slots_per_file)
+        have = self._extent.get(idx, 0)
+        if pos < have:
+            return
+        want = min(self.slots_per_file, max(pos + 1, have + self.grow_step_slots))
+        fd = self._open(idx)
+        os.posix_fallocate(fd, have * self.slot_size, (want - have) * self.slot_size)
+        self._extent[idx] = want
+
+    def sync(self, fds: set[int]) -> None:
+        for fd in fds:
+            os.fdatasync(fd)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
