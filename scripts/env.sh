@@ -72,6 +72,10 @@ if [ "$(readlink "$link" 2>/dev/null)" != "$env_dir" ]; then
   rm -rf "$link"
   ln -s "$env_dir" "$link"
 fi
+# Keep the cache small: drop environments of this kind built for older pins (unused for a day).
+find "$CACHE" -maxdepth 1 -name "$which_env-*" ! -name "$(basename "$env_dir")" -mtime +1 -exec rm -rf {} + 2>/dev/null || true
+touch "$env_dir"
+
 "$link/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>"$env_dir/.editable-install.log" \
   || { cat "$env_dir/.editable-install.log" >&2; exit 1; }
 echo "$link"

@@ -124,8 +124,12 @@ def parse_kvtier_config(extra_config: Mapping[str, Any] | None, overrides: Mappi
                 merged[k[len(PREFIX):]] = v
     unknown = sorted(set(merged) - set(_SPECS))
     if unknown:
+        import difflib
+
+        hints = [f" (did you mean {PREFIX + m[0]}?)" if (m := difflib.get_close_matches(u, _SPECS, 1)) else ""
+                 for u in unknown]
         raise ConfigError(
-            f"unknown key(s) {', '.join(PREFIX + u for u in unknown)}; kvtier knows "
+            f"unknown key(s) {', '.join(PREFIX + u + h for u, h in zip(unknown, hints))}; kvtier knows "
             f"{', '.join(PREFIX + k.name for k in KEYS)} (see README, 'Configuration')"
         )
     missing = [k.name for k in KEYS if k.required and k.name not in merged]

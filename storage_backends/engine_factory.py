@@ -41,7 +41,7 @@ def load_lmcache_config(path: str | None = None, overrides: dict[str, Any] | Non
 
 
 def build_engine(config, shape: ModelShape, *, instance_id: str | None = None, world_size: int = 1,
-                 worker_id: int = 0):
+                 worker_id: int = 0, **post_init_kwargs):
     """A post-initialised LMCacheEngine for `shape`, using `config` (an LMCacheEngineConfig)."""
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -59,7 +59,7 @@ def build_engine(config, shape: ModelShape, *, instance_id: str | None = None, w
         instance_id or f"kvtier-{uuid.uuid4().hex[:8]}", config, metadata,
         DenseCPUConnector(shape.num_layers, shape.hidden), lambda t, r: None, lambda o, r: o,
     )
-    engine.post_init()
+    engine.post_init(**post_init_kwargs)
     return engine
 
 

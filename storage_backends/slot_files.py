@@ -21,6 +21,7 @@ class SlotFiles:
         self.grow_step_slots = max(1, grow_step_slots)
         self.o_direct = o_direct
         self._fds: dict[int, int] = {}
+        self.fd_paths: dict[int, str] = {}  # fd -> path (kvikio opens files by path)
         self._extent: dict[int, int] = {}  # file index -> slots allocated on disk
         prefix = self._prefix()
         for name in os.listdir(directory):
@@ -40,6 +41,7 @@ class SlotFiles:
         if fd is None:
             fd = open_file(self.path(idx), o_direct=self.o_direct)
             self._fds[idx] = fd
+            self.fd_paths[fd] = self.path(idx)
         return fd
 
     def allocated_slots(self) -> int:
@@ -49,6 +51,10 @@ class SlotFiles:
         """(fd, byte offset) of a slot; the slot must be within the allocated extent for writes."""
         idx, pos = divmod(slot, self.slots_per_file)
         return self._open(idx), pos * self.slot_size
+
+    def locate_path(self, slot: int) -> tuple[str, int]:
+        idx, pos = divmod(slot, self.slots_per_file)
+        return self.path(idx), pos * self.slot_size
 
     def is_allocated(self, slot: int) -> bool:
         idx, pos = divmod(slot, self.slots_per_file)

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
+from kvtier.kernels.kvikio_io import KvikioFiles, select_engine
 from kvtier.kernels.posix_io import ALIGN, aligned_buffer, is_aligned, pread_full, probe_o_direct, pwrite_full
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.config import ConfigError, KVTierConfig
@@ -154,6 +155,7 @@ class SSDTier:
         spf = max(1, int(config.file_size_gb * (1 << 30)) // self.slot_size)
         grow = max(1, (config.grow_step_mb << 20) // self.slot_size)
         self.files = SlotFiles(self.directory, self.slot_size, spf, grow, config.o_direct)
+        self._fd_paths = self.files.fd_paths
         self.journal = Journal(os.path.join(self.directory, f"journal-{self.slot_size // 1024}k.log"))
         t0 = time.perf_counter()
         self._rebuild()
@@ -162,6 +164,8 @@ class SSDTier:
                     "%.1f MiB", self.directory, len(self._index), self.rebuild_seconds, self.max_slots,
                     self.slot_size / (1 << 20))
 
+        self.io_engine = select_engine(config.io_engine)
+        self._kvikio = KvikioFiles(config.io_threads) if self.io_engine == "kvikio" else None
         self._io = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io")
         self._tls = threading.local()
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-ssd-writer", daemon=True)
@@ -608,6 +612,11 @@ class SSDTier:
         lo, hi = rng
         part = dest[lo:hi]
         off = base + HEADER_SIZE + lo
+        if self._kvikio is not None:
+            import numpy as np
+
+            self._kvikio.pread(self._fd_paths[fd], np.frombuffer(part, dtype=np.uint8), hi - lo, off)
+            return checksum(part)
         if not self.config.o_direct:
             pread_full(fd, part, off)
             return checksum(part)
@@ -620,6 +629,44 @@ class SSDTier:
             pread_full(fd, b, off + direct)
             part[direct:] = b[:rest]
         return checksum(part)
+
+    def read_into_device(self, key: str, dest) -> bool:
+        """Read a chunk straight into a GPU tensor through kvikio (GDS or compat mode). The data is verified
+        against the slot's checksums (through a host copy) before True is returned; False is a miss."""
+        if self._kvikio is None:
+            raise RuntimeError("read_into_device needs kvtier.io_engine kvikio (a CUDA machine)")
+        with self._lock:
+            e = self._usable(key)
+            if e is None:
+                self.stats.misses += 1
+                return False
+            e.readers += 1
+        verdict = None
+        try:
+            path, base = self.files.locate_path(e.slot)
+            flat = dest.view(-1).view(__import__("torch").uint8)
+            if flat.numel() < e.meta.nbytes:
+                raise ValueError(f"destination for {key} is smaller than the chunk")
+            hdr = aligned_buffer(HEADER_SIZE)
+            pread_full(self.files.locate(e.slot)[0], hdr, base)
+            self._kvikio.pread(path, flat[:e.meta.nbytes], e.meta.nbytes, base + HEADER_SIZE)
+            host = _bytes_view(flat[:e.meta.nbytes].cpu().numpy())
+            self._verify(key, e, hdr, [checksum(host[lo:hi]) for lo, hi in _segments(e.meta.nbytes, e.seg)])
+        except (CorruptSlot, EOFError, OSError) as exc:
+            verdict = "checksum" if isinstance(exc, CorruptSlot) else "torn"
+            logger.warning("SSD chunk %s is unusable (%s); treated as a miss", key, exc)
+        with self._lock:
+            e.readers -= 1
+            if verdict is not None:
+                self._drop(key, e, verdict)
+                self.stats.misses += 1
+                return False
+            if e.removed and e.readers == 0:
+                self._release_slot(e)
+            self.stats.hits += 1
+            self.stats.bytes_read += e.meta.nbytes
+            self.policy.on_access(key)
+        return True
 
     def _verify(self, key: str, e: _Entry, hdr: memoryview, crcs: list[int]) -> None:
         h = decode_header(hdr)
@@ -645,6 +692,8 @@ class SSDTier:
         with self._lock:
             self.files.close()
             self.journal.close()
+            if self._kvikio is not None:
+                self._kvikio.close()
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1

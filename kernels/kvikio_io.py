@@ -1,0 +1,75 @@
+"""kvikio I/O for the SSD tier on CUDA machines: reads straight into GPU (or host) buffers with `CuFile.pread`.
+
+kvikio uses GPUDirect Storage where the platform has it and its POSIX compat mode otherwise; either way it needs
+a CUDA driver (`libcuda.so.1`), even for host buffers. `select_engine` picks `kvikio` or `posix` for
+`kvtier.io_engine: auto` and refuses an explicit `kvikio` that cannot run (never a silent fallback).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+logger = logging.getLogger("kvtier.io")
+
+
+def kvikio_status() -> tuple[bool, str]:
+    """(usable, reason): kvikio imports and a CUDA driver can be loaded."""
+    try:
+        import kvikio  # noqa: F401
+    except Exception as e:  # ImportError, or a broken CUDA runtime
+        return False, f"kvikio is not importable ({e})"
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False, "no CUDA driver (libcuda.so.1) on this machine"
+    return True, "kvikio with a CUDA driver"
+
+
+def select_engine(requested: str) -> str:
+    from kvtier.storage_backends.config import ConfigError
+
+    ok, why = kvikio_status()
+    if requested == "posix":
+        return "posix"
+    if requested == "kvikio":
+        if not ok:
+            raise ConfigError(f"kvtier.io_engine: kvikio was requested but {why}; use auto or posix")
+        return "kvikio"
+    engine = "kvikio" if ok else "posix"
+    logger.info("kvtier.io_engine=auto chose %s (%s)", engine, why if ok else why + "; POSIX pread/pwrite")
+    return engine
+
+
+class KvikioFiles:
+    """One `kvikio.CuFile` per slot file, opened lazily; thread-safe `pread` into any kvikio-readable buffer."""
+
+    def __init__(self, num_threads: int) -> None:
+        import kvikio
+        import kvikio.defaults
+
+        self._kvikio = kvikio
+        kvikio.defaults.set({"num_threads": max(1, num_threads)})
+        self._files: dict[str, object] = {}
+        self._lock = threading.Lock()
+        logger.info("kvikio ready: compat_mode=%s, num_threads=%s", kvikio.defaults.get("compat_mode"),
+                    kvikio.defaults.get("num_threads"))
+
+    def _file(self, path: str):
+        with self._lock:
+            f = self._files.get(path)
+            if f is None:
+                f = self._files[path] = self._kvikio.CuFile(path, "r")
+            return f
+
+    def pread(self, path: str, buf, nbytes: int, offset: int) -> None:
+        got = self._file(path).pread(buf, nbytes, offset).get()
+        if got != nbytes:
+            raise EOFError(f"short kvikio read: {got} of {nbytes} bytes at offset {offset}")
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()

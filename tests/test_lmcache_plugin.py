@@ -1,0 +1,213 @@
+"""kvtier as an LMCache storage plugin, driven through a real LMCacheEngine built from the shipped YAML."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from kvtier.storage_backends.engine_factory import (
+    ModelShape,
+    build_engine,
+    destroy_engine,
+    kvtier_backend,
+    load_lmcache_config,
+)
+
+SHAPE = ModelShape("kvtier-test/tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+CHUNK = 16
+
+
+def kv_for(tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, SHAPE.num_layers, tokens, SHAPE.hidden, generator=g).to(SHAPE.dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def clear_host(engine) -> None:
+    engine.storage_manager.storage_backends["LocalCPUBackend"].clear()
+
+
+@pytest.fixture
+def engine_from(lmcache_yaml):
+    made = []
+
+    def make(**kw):
+        post = kw.pop("post_init", {})
+        e = build_engine(load_lmcache_config(lmcache_yaml(**kw)), SHAPE, **post)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        destroy_engine(e)
+
+
+def test_plugin_is_loaded_from_the_yaml(engine_from):
+    b = kvtier_backend(engine_from())
+    assert b is not None and b.tier is not None, "LMCache did not load kvtier (its error is only logged)"
+
+
+def test_round_trip_served_by_plugin_after_host_tier_cleared(engine_from):
+    e = engine_from()
+    b = kvtier_backend(e)
+    tokens = torch.arange(100)
+    kv = kv_for(100)
+    e.store(tokens, kvcaches=kv)
+    assert b.flush(30)
+    assert b.tier.stats.committed == 6  # 100 tokens: six 16-token chunks + a partial one (not saved by LMCache)
+    clear_host(e)
+    out = torch.zeros_like(kv)
+    got = int(e.retrieve(tokens, kvcaches=out).sum())
+    assert got == 96
+    assert same_bits(out[:, :, :96], kv[:, :, :96])
+    assert b.tier.stats.hits == 6 and b.tier.stats.misses == 0
+
+
+def test_inclusive_with_host_tier(engine_from):
+    """The SSD keeps a copy of what is in host memory: every stored chunk is in both tiers."""
+    e = engine_from()
+    b = kvtier_backend(e)
+    tokens = torch.arange(64)
+    e.store(tokens, kvcaches=kv_for(64))
+    assert b.flush(30)
+    keys = [k for _, _, k in e.token_database.process_tokens(tokens=tokens)]
+    host = e.storage_manager.storage_backends["LocalCPUBackend"]
+    assert all(host.contains(k) for k in keys) and all(b.contains(k) for k in keys)
+
+
+def test_corrupt_chunk_is_recomputed_not_returned(engine_from):
+    e = engine_from()
+    b = kvtier_backend(e)
+    tokens = torch.arange(64)
+    kv = kv_for(64, seed=3)
+    e.store(tokens, kvcaches=kv)
+    assert b.flush(30)
+    keys = [k.to_string() for _, _, k in e.token_database.process_tokens(tokens=tokens)]
+    entry = b.tier._index[keys[2]]
+    path, base = b.tier.files.locate_path(entry.slot)
+    with open(path, "r+b") as f:  # flip one bit of chunk 2's data
+        f.seek(base + 4096 + 10)
+        byte = f.read(1)[0]
+        f.seek(base + 4096 + 10)
+        f.write(bytes([byte ^ 0x80]))
+    clear_host(e)
+    out = torch.zeros_like(kv)
+    got = int(e.retrieve(tokens, kvcaches=out).sum())
+    assert got <= 32  # only the prefix before the corrupt chunk may be served
+    assert same_bits(out[:, :, :got], kv[:, :, :got])
+    assert b.tier.stats.corrupt == 1 and not b.tier.contains(keys[2])
+
+
+STORE_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.argv = sys.argv
+    from kvtier.storage_backends.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, \\
+        load_lmcache_config
+    shape = ModelShape("kvtier-test/tiny", 2, 2, 16, torch.bfloat16)
+    e = build_engine(load_lmcache_config(sys.argv[1]), shape)
+    g = torch.Generator().manual_seed(11)
+    kv = torch.randn(2, 2, 160, 32, generator=g).to(torch.bfloat16)
+    e.store(torch.arange(1000, 1160), kvcaches=kv)
+    assert kvtier_backend(e).flush(30)
+    destroy_engine(e)
+    print("stored", flush=True)
+""")
+
+
+def test_new_process_finds_previous_process_chunks(engine_from, lmcache_yaml):
+    cfg_path = lmcache_yaml()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    res = subprocess.run([sys.executable, "-c", STORE_SCRIPT, cfg_path], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert "stored" in res.stdout, res.stderr[-3000:]
+    e = engine_from()  # this (other) process, same YAML: sha256_cbor keys are restart-stable
+    b = kvtier_backend(e)
+    assert len(b.tier) == 10
+    tokens = torch.arange(1000, 1160)
+    assert e.lookup(tokens) == 160
+    out = torch.zeros(2, 2, 160, 32, dtype=torch.bfloat16)
+    assert int(e.retrieve(tokens, kvcaches=out).sum()) == 160
+    g = torch.Generator().manual_seed(11)
+    assert same_bits(out, torch.randn(2, 2, 160, 32, generator=g).to(torch.bfloat16))
+    assert b.tier.stats.hits == 10
+
+
+class _LookupServer:
+    """Stands in for LMCache's ZMQ lookup server: records the scheduler-bound answer of a prefetch."""
+
+    def __init__(self):
+        self.answers: dict[str, int] = {}
+        self.event = threading.Event()
+
+    def send_response_to_scheduler(self, lookup_id, retrieved_length):
+        self.answers[lookup_id] = retrieved_length
+        self.event.set()
+
+
+def test_async_loading_path(lmcache_yaml):
+    server = _LookupServer()
+    cfg = load_lmcache_config(lmcache_yaml(lmcache_lines="enable_async_loading: true\n"))
+    e = build_engine(cfg, SHAPE, async_lookup_server=server)
+    try:
+        b = kvtier_backend(e)
+        tokens = torch.arange(500, 580)
+        kv = kv_for(80, seed=5)
+        e.store(tokens, kvcaches=kv)
+        assert b.flush(30)
+        clear_host(e)
+        e.async_lookup_and_prefetch("req-1", tokens, pin=True)
+        assert server.event.wait(30)
+        assert server.answers["req-1"] == 80
+        out = torch.zeros_like(kv)
+        got = int(e.retrieve(tokens, kvcaches=out, req_id="req-1").sum())
+        assert got == 80 and same_bits(out, kv)
+        assert b.tier.stats.hits == 5
+        assert not any(b.tier.is_pinned(k) for k in b.tier.keys())  # lookup pins released by the plugin
+    finally:
+        destroy_engine(e)
+
+
+def test_slow_ssd_applies_backpressure_instead_of_dropping(lmcache_yaml, monkeypatch):
+    """64 chunks through a host pool of 16 while SSD writes lag: none is lost on the way to the SSD tier."""
+    import time
+
+    big = ModelShape("kvtier-test/wide", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    per_chunk = big.chunk_bytes(CHUNK)  # 128 KiB
+    cfg = load_lmcache_config(lmcache_yaml(host_gb=16 * per_chunk / (1 << 30), max_inflight_write_mb=1,
+                                           ssd_capacity_gb=0.05))
+    e = build_engine(cfg, big)
+    try:
+        b = kvtier_backend(e)
+        real = b.tier._write_batch
+        monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.02), real(batch)))
+        g = torch.Generator().manual_seed(9)
+        for s in range(8):  # eight requests of 8 chunks each
+            tokens = torch.arange(s * 10_000, s * 10_000 + 8 * CHUNK)
+            kv = torch.randn(2, 2, 8 * CHUNK, big.hidden, generator=g).to(big.dtype)
+            e.store(tokens, kvcaches=kv)
+        assert b.flush(60)
+        st = b.tier.stats
+        assert st.committed + st.dropped_backpressure == 64
+        assert st.committed == 64, st.as_dict()
+    finally:
+        destroy_engine(e)
+
+
+def test_unknown_key_fails_plugin_construction_loudly_in_check_config(lmcache_yaml):
+    from kvtier.storage_backends.check_config import check
+    from kvtier.storage_backends.config import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean kvtier.io_threads"):
+        check(lmcache_yaml(io_thread=4))
+    with pytest.raises(ConfigError, match="io_threads must be an integer"):
+        check(lmcache_yaml(io_threads="many"))
+    assert check(lmcache_yaml()).startswith("OK")
