@@ -59,11 +59,11 @@ class ChunkMeta:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     slot: int
     gen: int
-    meta: ChunkMeta
+    meta: ChunkMeta | CommitRecord
     seg: int
     pins: list[float] = field(default_factory=list)  # expiry times
     readers: int = 0
@@ -174,39 +174,45 @@ class SSDTier:
     # ------------------------------------------------------------------ index rebuild
     def _rebuild(self) -> None:
         records = self.journal.load()
+        index, owner = self._index, self._slot_owner
         for rec in records:
-            if isinstance(rec, CommitRecord):
-                old = self._slot_owner.get(rec.slot)
+            if type(rec) is CommitRecord:
+                old = owner.get(rec.slot)
                 if old is not None:
-                    self._index.pop(old, None)
-                prev = self._index.get(rec.key)
+                    del index[old]
+                prev = index.pop(rec.key, None)
                 if prev is not None:
-                    self._slot_owner.pop(prev.slot, None)
-                meta = ChunkMeta(rec.nbytes, tuple(rec.shape), rec.dtype, rec.fmt, dict(rec.extra))
-                self._index[rec.key] = _Entry(rec.slot, rec.gen, meta, rec.seg)
-                self._slot_owner[rec.slot] = rec.key
+                    del owner[prev.slot]
+                index[rec.key] = _Entry(rec.slot, rec.gen, rec, rec.seg)  # the record doubles as ChunkMeta
+                owner[rec.slot] = rec.key
             else:
-                owner = self._slot_owner.get(rec.slot)
-                if owner is not None and self._index[owner].gen == rec.gen:
-                    del self._index[owner]
-                    del self._slot_owner[rec.slot]
-            self._gen = max(self._gen, rec.gen)
-        # Capacity may have shrunk since the last run: drop what no longer fits, oldest first.
-        for key, e in sorted(self._index.items(), key=lambda kv: kv[1].gen):
-            if e.slot >= self.max_slots or len(self._index) > self.max_slots or not self.files.is_allocated(e.slot):
-                del self._index[key]
-                self._slot_owner.pop(e.slot, None)
-        self._next_slot = max(self._slot_owner, default=-1) + 1
-        self._free = [s for s in range(self._next_slot) if s not in self._slot_owner]
-        heapq.heapify(self._free)
-        for key, e in sorted(self._index.items(), key=lambda kv: kv[1].gen):
+                key = owner.get(rec.slot)
+                if key is not None and index[key].gen == rec.gen:
+                    del index[key]
+                    del owner[rec.slot]
+            if rec.gen > self._gen:
+                self._gen = rec.gen
+        # Capacity may have shrunk since the last run (or a file was cut short): drop what no longer fits.
+        top = max(owner, default=-1)
+        if top >= self.max_slots or len(index) > self.max_slots or (top >= 0 and not self.files.is_allocated(top)):
+            for key, e in list(index.items()):  # oldest first
+                if e.slot >= self.max_slots or len(index) > self.max_slots or not self.files.is_allocated(e.slot):
+                    del index[key]
+                    del owner[e.slot]
+        self._next_slot = max(owner, default=-1) + 1
+        self._free = sorted(set(range(self._next_slot)).difference(owner))
+        for key in index:  # journal order = commit order: oldest first, as LRU wants
             self.policy.on_insert(key, 1)
-        self.journal.compact([
-            CommitRecord(e.slot, e.gen, k, e.meta.nbytes, e.meta.shape, e.meta.dtype, e.meta.fmt, e.seg,
-                         e.meta.extra)
-            for k, e in sorted(self._index.items(), key=lambda kv: kv[1].gen)
-        ])
-        M.SSD_USED_BYTES.set(len(self._index) * self.slot_size)
+        if len(records) > 2 * len(index) + 1024:
+            self.journal.compact([self._commit_record(k, e) for k, e in index.items()])
+        M.SSD_USED_BYTES.set(len(index) * self.slot_size)
+
+    @staticmethod
+    def _commit_record(key: str, e: "_Entry") -> CommitRecord:
+        m = e.meta
+        if type(m) is CommitRecord:
+            return m
+        return CommitRecord(e.slot, e.gen, key, m.nbytes, m.shape, m.dtype, m.fmt, e.seg, m.extra)
 
     # ------------------------------------------------------------------ lookups and pins
     def _pinned(self, e: _Entry, now: float) -> bool:
@@ -368,6 +374,18 @@ class SSDTier:
             except Exception:  # never let the writer die: fail the batch, keep serving
                 logger.exception("SSD tier writer failed on a batch of %d chunks", len(batch))
                 self._finish(batch, [None] * len(batch), ["io_error"] * len(batch))
+            self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Rewrite the journal as a snapshot once dead records dominate it (writer thread, between batches, so
+        no COMMIT record is on its way to the index)."""
+        with self._lock:
+            if self.journal.records_written <= 4 * len(self._index) + 10_000:
+                return
+            try:
+                self.journal.compact([self._commit_record(k, e) for k, e in self._index.items()])
+            except OSError as e:
+                logger.error("journal compaction failed (%s); will retry", e)
 
     def _reserve_slot(self) -> int | None:
         """Under the lock: a free slot (allocated on disk), evicting unpinned chunks if the tier is full."""

@@ -9,6 +9,8 @@ import textwrap
 import threading
 
 import pytest
+
+pytestmark = pytest.mark.compat
 import torch
 
 from kvtier.storage_backends.engine_factory import (

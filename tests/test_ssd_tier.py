@@ -10,6 +10,8 @@ import threading
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.compat
+
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.ssd_tier import ChunkMeta, DirectoryInUse, SSDTier
 
