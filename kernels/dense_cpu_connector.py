@@ -12,6 +12,15 @@ from lmcache.v1.gpu_connector import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the same width: copies stay bit-exact, and torch's integer copy kernel
+    avoids the intra-op thread hand-off that makes small strided float copies take milliseconds on CPU."""
+    return t.view(_BITS[t.element_size()])
+
+
 class DenseCPUConnector(GPUConnectorInterface):
     def __init__(self, num_layers: int, hidden: int, kv: int = 2) -> None:
         self.num_layers, self.hidden, self.kv = num_layers, hidden, kv
@@ -26,11 +35,11 @@ class DenseCPUConnector(GPUConnectorInterface):
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs) -> None:
         self._check(memory_obj)
-        memory_obj.tensor.copy_(kwargs["kvcaches"][:, :, start:end])
+        _bits(memory_obj.tensor).copy_(_bits(kwargs["kvcaches"][:, :, start:end]))
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs) -> None:
         self._check(memory_obj)
-        kwargs["kvcaches"][:, :, start:end].copy_(memory_obj.tensor)
+        _bits(kwargs["kvcaches"][:, :, start:end]).copy_(_bits(memory_obj.tensor))
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
         for obj, s, e in zip(memory_objs, starts, ends):

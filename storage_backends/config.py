@@ -29,6 +29,7 @@ class KVTierConfig:
     durable_writes: bool = True
     eviction_policy: str = "lru"
     chunk_format: str = "KV_2LTD"
+    page_tokens: int = 16
     file_size_gb: float = 16.0
     grow_step_mb: int = 1024
     io_block_mb: int = 4
@@ -65,8 +66,10 @@ KEYS: tuple[KeySpec, ...] = (
             "committed chunk). Turn off only for throwaway caches."),
     KeySpec("eviction_policy", "str", "Eviction policy of the SSD tier (`lru`, or any production policy "
             "registered in kvtier.storage_backends.eviction)."),
-    KeySpec("chunk_format", "str", "LMCache MemoryFormat name that readers of this tier expect (`KV_2LTD` for "
-            "LMCache's own GPU connectors); slots of another format are misses."),
+    KeySpec("chunk_format", "str", "Chunk layout that readers of this tier expect: `KV_2LTD` (LMCache's own GPU "
+            "connectors) or `page_first` (kvtier's gather/scatter connector); slots of another layout are misses."),
+    KeySpec("page_tokens", "int", "Tokens per page of `page_first` chunks (checked against each slot's shape).",
+            minimum=1),
     KeySpec("file_size_gb", "float", "Largest size of one slot file; the tier uses as many files as needed.",
             minimum=0.0, exclusive=True),
     KeySpec("grow_step_mb", "int", "Slot files grow (fallocate) by about this much at a time, never the whole "

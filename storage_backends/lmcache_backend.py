@@ -25,6 +25,9 @@ from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
 
 logger = logging.getLogger("kvtier.lmcache")
 
+#: LMCache MemoryFormat that kvtier's page-first chunks carry (see kvtier.kernels.lmcache_connector).
+PAGE_FIRST_FORMAT = "KV_2TD"
+
 _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,
                                torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)}
 
@@ -34,10 +37,24 @@ def chunk_bytes_of(metadata: Any) -> int:
     return math.prod(metadata.kv_shape) * torch.empty((), dtype=metadata.kv_dtype).element_size()
 
 
-def expected_layout(metadata: Any, chunk_format: str) -> Callable[[ChunkMeta], bool]:
-    """A predicate accepting only chunks this engine can consume: same dtype, format and per-token shape."""
+def expected_layout(metadata: Any, chunk_format: str, page_tokens: int = 16) -> Callable[[ChunkMeta], bool]:
+    """A predicate accepting only chunks this engine can consume: same dtype, layout and per-token shape."""
     layers, kv, chunk_size, heads, head_dim = metadata.kv_shape
     dtype = str(metadata.kv_dtype)
+    if chunk_format == "page_first":
+        from kvtier.kernels.layout import LayoutError, PageFirstLayout
+
+        pages = PageFirstLayout(layers, heads, head_dim, page_tokens, metadata.kv_dtype)
+
+        def ok_page_first(meta: ChunkMeta) -> bool:
+            if meta.dtype != dtype or meta.fmt != PAGE_FIRST_FORMAT:
+                return False
+            try:
+                return pages.check_chunk_shape(meta.shape, metadata.kv_dtype) <= chunk_size
+            except LayoutError:
+                return False
+
+        return ok_page_first
 
     def ok(meta: ChunkMeta) -> bool:
         if meta.dtype != dtype or meta.fmt != chunk_format:
@@ -65,14 +82,15 @@ class KVTierBackend(StoragePluginInterface):
         if metadata is None or not getattr(metadata, "kv_shape", None):
             raise ConfigError("kvtier needs LMCache metadata with kv_shape to size its slots")
         try:
-            MemoryFormat[self.kvtier_config.chunk_format]
+            if self.kvtier_config.chunk_format != "page_first":
+                MemoryFormat[self.kvtier_config.chunk_format]
         except KeyError:
-            raise ConfigError(f"kvtier.chunk_format: {self.kvtier_config.chunk_format!r} is not an LMCache "
-                              f"MemoryFormat; use one of {[f.name for f in MemoryFormat]}") from None
+            raise ConfigError(f"kvtier.chunk_format: {self.kvtier_config.chunk_format!r} is neither page_first nor "
+                              f"an LMCache MemoryFormat ({', '.join(f.name for f in MemoryFormat)})") from None
         self.tier = SSDTier(
             self.kvtier_config,
             chunk_bytes_of(metadata),
-            layout_ok=expected_layout(metadata, self.kvtier_config.chunk_format),
+            layout_ok=expected_layout(metadata, self.kvtier_config.chunk_format, self.kvtier_config.page_tokens),
             subdir=f"worker{metadata.worker_id}-of-{metadata.world_size}",
         )
         logger.info("kvtier SSD tier ready for %s (dst_device=%s)", metadata.model_name, dst_device)
