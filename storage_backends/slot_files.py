@@ -39,9 +39,16 @@ class SlotFiles:
     def _open(self, idx: int) -> int:
         fd = self._fds.get(idx)
         if fd is None:
+            existed = os.path.exists(self.path(idx))
             fd = open_file(self.path(idx), o_direct=self.o_direct)
             self._fds[idx] = fd
             self.fd_paths[fd] = self.path(idx)
+            if not existed:  # make the new file's directory entry durable before any commit refers to it
+                dfd = os.open(self.directory, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
         return fd
 
     def allocated_slots(self) -> int:

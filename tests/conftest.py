@@ -29,6 +29,7 @@ def tier_config(tmp_path):
 @pytest.fixture
 def lmcache_yaml(tmp_path):
     """Factory: the shipped configs/lmcache-kvtier.yaml with its SSD path (and other lines) replaced."""
+    made: list[None] = []
 
     def make(chunk_size: int = 16, host_gb: float = 0.05, lmcache_lines: str = "", **kvtier_keys) -> str:
         text = (REPO / "configs" / "lmcache-kvtier.yaml").read_text()
@@ -39,7 +40,8 @@ def lmcache_yaml(tmp_path):
         for k, v in kvtier_keys.items():
             text += f"  kvtier.{k}: {v}\n"
         text += lmcache_lines
-        path = tmp_path / "lmcache.yaml"
+        made.append(None)
+        path = tmp_path / f"lmcache-{len(made)}.yaml"
         path.write_text(text)
         return str(path)
 

@@ -213,3 +213,23 @@ def test_unknown_key_fails_plugin_construction_loudly_in_check_config(lmcache_ya
     with pytest.raises(ConfigError, match="io_threads must be an integer"):
         check(lmcache_yaml(io_threads="many"))
     assert check(lmcache_yaml()).startswith("OK")
+
+
+def test_check_config_command_fails_loudly(lmcache_yaml, tmp_path):
+    """The console script users are told to run: exit 1 and a message naming the key, for each kind of mistake."""
+    exe = os.path.join(os.path.dirname(sys.executable), "kvtier")
+    ok = subprocess.run([exe, "check-config", lmcache_yaml()], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stderr[-2000:]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cases = {
+        lmcache_yaml(eviction_policy="random"): "kvtier.eviction_policy",
+        lmcache_yaml(ssd_capacity_gb=-1): "kvtier.ssd_capacity_gb must be > 0",
+        str(tmp_path / "missing.yaml"): "no such file",
+    }
+    text = open(lmcache_yaml()).read().replace(str(tmp_path / "ssd"), str(blocker / "ssd"))
+    (tmp_path / "unwritable.yaml").write_text(text)
+    cases[str(tmp_path / "unwritable.yaml")] = "kvtier.ssd_path: cannot create"
+    for path, message in cases.items():
+        res = subprocess.run([exe, "check-config", path], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1 and message in res.stderr, (path, res.stderr[-2000:])
