@@ -64,6 +64,21 @@ def pread_full(fd: int, buf: memoryview, offset: int) -> None:
         done += got
 
 
+def preadv_full(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """Fill consecutive buffers from `offset` with as few syscalls as possible; EOFError on a short file."""
+    bufs = [b for b in bufs if len(b)]
+    while bufs:
+        got = os.preadv(fd, bufs, offset)
+        if got == 0:
+            raise EOFError(f"short read at offset {offset}")
+        offset += got
+        while bufs and got >= len(bufs[0]):
+            got -= len(bufs[0])
+            bufs.pop(0)
+        if got:
+            bufs[0] = bufs[0][got:]
+
+
 def pwrite_full(fd: int, buf: memoryview, offset: int) -> None:
     done, n = 0, len(buf)
     while done < n:

@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 from kvtier.kernels.kvikio_io import KvikioFiles, select_engine
-from kvtier.kernels.posix_io import ALIGN, aligned_buffer, is_aligned, pread_full, probe_o_direct, pwrite_full
+from kvtier.kernels.posix_io import (
+    ALIGN,
+    aligned_buffer,
+    is_aligned,
+    pread_full,
+    preadv_full,
+    probe_o_direct,
+    pwrite_full,
+)
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.config import ConfigError, KVTierConfig
 from kvtier.storage_backends.eviction import EvictionPolicy, make_policy
@@ -582,15 +590,15 @@ class SSDTier:
                 continue
             fd, base = self.files.locate(e.slot)
             hdr = aligned_buffer(HEADER_SIZE)
-            parts = [self._io.submit(self._read_header, fd, base, hdr)]
-            for rng in _segments(e.meta.nbytes, e.seg):
-                parts.append(self._io.submit(self._read_segment, fd, base, d[0], rng))
+            # The header travels with the first data segment (one request), the other segments in parallel.
+            parts = [self._io.submit(self._read_segment, fd, base, d[0], rng, hdr if j == 0 else None)
+                     for j, rng in enumerate(_segments(e.meta.nbytes, e.seg))]
             jobs.append((i, hdr, parts))
         out: list[Any] = [None] * len(keys)
         verdicts: dict[int, str | None] = {}
         for i, hdr, parts in jobs:
             try:
-                crcs = [p.result() for p in parts][1:]
+                crcs = [p.result() for p in parts]
                 self._verify(keys[i], entries[i], hdr, crcs)  # type: ignore[arg-type]
                 verdicts[i] = None
                 out[i] = dests[i][1]  # type: ignore[index]
@@ -623,30 +631,48 @@ class SSDTier:
         M.SSD_READ_SECONDS.observe(time.monotonic() - t0)
         return out
 
-    def _read_header(self, fd: int, base: int, hdr: memoryview) -> None:
-        pread_full(fd, hdr, base)
-
-    def _read_segment(self, fd: int, base: int, dest: memoryview, rng: tuple[int, int]) -> int:
+    def _read_segment(self, fd: int, base: int, dest: memoryview, rng: tuple[int, int],
+                      hdr: memoryview | None = None) -> int:
+        """Read one data segment into `dest` (and the slot header just before it, if `hdr` is given); returns
+        the segment's CRC32."""
         lo, hi = rng
         part = dest[lo:hi]
         off = base + HEADER_SIZE + lo
+        if hdr is not None:
+            direct = (hi - lo) // ALIGN * ALIGN if (is_aligned(part) or not self.config.o_direct) else 0
+            if self._kvikio is None and direct and not self.config.o_direct:
+                direct = hi - lo
+            if self._kvikio is None and direct:
+                preadv_full(fd, [hdr, part[:direct]], base)
+                if direct < hi - lo:
+                    self._read_range(fd, part[direct:], off + direct)
+                return checksum(part)
+            pread_full(fd, hdr, base)
+        return self._read_range_checked(fd, part, off)
+
+    def _read_range_checked(self, fd: int, part: memoryview, off: int) -> int:
+        self._read_range(fd, part, off)
+        return checksum(part)
+
+    def _read_range(self, fd: int, part: memoryview, off: int) -> None:
         if self._kvikio is not None:
             import numpy as np
 
-            self._kvikio.pread(self._fd_paths[fd], np.frombuffer(part, dtype=np.uint8), hi - lo, off)
-            return checksum(part)
+            self._kvikio.pread(self._fd_paths[fd], np.frombuffer(part, dtype=np.uint8), len(part), off)
+            return
         if not self.config.o_direct:
             pread_full(fd, part, off)
-            return checksum(part)
-        direct = (hi - lo) // ALIGN * ALIGN if is_aligned(part) else 0
+            return
+        n = len(part)
+        direct = n // ALIGN * ALIGN if is_aligned(part) else 0
         if direct:
             pread_full(fd, part[:direct], off)
-        if direct < hi - lo:
-            rest = hi - lo - direct
-            b = self._bounce()[:_align(rest)]
+        while direct < n:  # unaligned destination or tail: through the bounce buffer
+            step = min(n - direct, self.seg)
+            b = self._bounce()[:_align(step)]
             pread_full(fd, b, off + direct)
-            part[direct:] = b[:rest]
-        return checksum(part)
+            part[direct:direct + step] = b[:step]
+            direct += step
 
     def read_into_device(self, key: str, dest) -> bool:
         """Read a chunk straight into a GPU tensor through kvikio (GDS or compat mode). The data is verified
