@@ -578,11 +578,18 @@ class SSDTier:
                 entries.append(e)
         dests: list[tuple[memoryview, Any] | None] = []
         for key, e in zip(keys, entries):
-            d = alloc(key, e.meta) if e is not None else None
-            if d is not None:
-                d = (_bytes_view(d[0]), d[1])
-                if len(d[0]) < e.meta.nbytes:  # type: ignore[union-attr]
-                    raise ValueError(f"destination for {key} is smaller than the chunk")
+            d = None
+            if e is not None:
+                try:
+                    d = alloc(key, e.meta)
+                    if d is not None:
+                        d = (_bytes_view(d[0]), d[1])
+                        if len(d[0]) < e.meta.nbytes:
+                            release(d[1])
+                            raise ValueError(f"destination of {len(d[0])} bytes for a {e.meta.nbytes}-byte chunk")
+                except Exception:
+                    logger.exception("cannot stage SSD chunk %s; treated as a miss", key)
+                    d = None
             dests.append(d)
         jobs = []  # (entry index, future)
         for i, (key, e, d) in enumerate(zip(keys, entries, dests)):

@@ -312,3 +312,12 @@ def test_rebuild_of_many_slots_is_fast(tier_config):
         assert len(t2) == 20_000 and t2.rebuild_seconds < 5
     finally:
         t2.close()
+
+
+def test_bad_destination_is_a_miss_and_leaves_the_chunk_readable(tier):
+    assert put(tier, "k", payload(5))
+    released = []
+    res = tier.read_batch(["k"], lambda k, m: (memoryview(bytearray(10)), "small"), released.append)
+    assert res == [None] and released == ["small"]
+    assert np.array_equal(get(tier, "k"), payload(5))  # not dropped, not stuck with a reader
+    assert tier.remove("k") and len(tier) == 0
