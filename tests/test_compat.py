@@ -77,3 +77,16 @@ def test_kvtier_installs_no_top_level_modules_but_its_own():
         spec = importlib.util.find_spec(name)
         assert spec is None or not (spec.origin or "").startswith(os.path.dirname(kvtier.__file__) + os.sep), name
     import transformers  # noqa: F401  (imports `kernels` if present; must not pick up ours)
+
+
+def test_scheduler_hook_matches_installed_vllm():
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvtier.scheduler_hooks.dual_queue import AsyncDualQueueScheduler, DualQueueScheduler
+
+    assert issubclass(DualQueueScheduler, Scheduler)
+    assert issubclass(AsyncDualQueueScheduler, AsyncScheduler) and issubclass(AsyncDualQueueScheduler,
+                                                                              DualQueueScheduler)
+    # The hook overrides schedule() only; vLLM's own signature must still match what it wraps.
+    assert "schedule" in DualQueueScheduler.__dict__
