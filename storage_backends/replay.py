@@ -1,0 +1,356 @@
+"""`kvtier replay`: replay a request trace through a host tier and an SSD tier, inclusive, for each eviction policy.
+
+Model (one block = one prompt block of the trace, size 1): for each request, in arrival order, the policy hears
+`on_request(chain, now)`; then each block of the prompt is read: a host hit (`on_access`), else an SSD hit (the block
+is copied back into host memory), else a miss (the block is computed and written to both tiers). Writing into a
+full tier asks its policy for victims. The tiers are inclusive: every host block has an SSD copy, so an SSD eviction
+drops the host copy too. After the request, the policy hears `on_request_finished(chain, output_length, now)`.
+`now` is the trace timestamp (seconds), also returned by the clock handed to the policies.
+
+`hit_rate` = host hits / block accesses; `ssd_hit_rate` = SSD hits (host misses found on SSD) / block accesses.
+The same policy objects run in production tiers; Belady gets the future host-tier key sequence via `set_future`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+from kvtier.storage_backends.eviction.base import (
+    POLICY_REGISTRY,
+    EvictionPolicy,
+    make_policy,
+    production_policy_names,
+)
+from kvtier.storage_backends.traces import TraceRequest, read_trace, unique_blocks
+
+logger = logging.getLogger("kvtier.storage_backends.replay")
+
+#: Default KV bytes of one 512-token block, used to turn GB capacities into blocks: Llama-3.1-8B in bf16
+#: (32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes = 128 KiB per token).
+DEFAULT_BLOCK_BYTES = 512 * 128 * 1024
+
+#: Aliases accepted by --policies.
+POLICY_ALIASES = {"answer_length": "answer-length", "al": "answer-length", "opt": "belady", "s3-fifo": "s3fifo"}
+
+
+class ReplayClock:
+    """The replay's notion of now: the current request's trace timestamp (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A tier capacity as the user wrote it and in blocks."""
+
+    label: str  #: "0.05", "20GB", "inf"
+    blocks: int | None  #: None = unbounded
+    fraction: float | None  #: of the trace's unique blocks, when given (or computable)
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    host_capacity: str  #: as given (fraction or size)
+    host_capacity_blocks: int
+    host_capacity_fraction: float
+    ssd_capacity: str
+    ssd_capacity_blocks: int | None
+    requests: int
+    accesses: int
+    host_hits: int
+    ssd_hits: int
+    misses: int
+    hit_rate: float
+    ssd_hit_rate: float
+    host_evictions: int
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def parse_capacity(text: str, unique: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Capacity:
+    """'0.05' -> 5% of the unique blocks; '20GB'/'20GiB'/'20' (a number > 1) -> bytes / block_bytes;
+    '1000blocks' -> blocks; 'inf'/'none' -> unbounded."""
+    t = text.strip().lower()
+    if t in ("inf", "none", "unbounded", ""):
+        return Capacity(text, None, None)
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*(gib|gb|g|mib|mb|m|blocks?|b|%)?", t)
+    if not m:
+        raise ValueError(f"capacity {text!r}: expected a fraction (0.05), a size (20GB), N blocks or 'inf'")
+    value, unit = float(m.group(1)), m.group(2)
+    if unit == "%":
+        value, unit = value / 100.0, None
+    if unit is None and value <= 1.0:
+        blocks = max(1, int(round(value * unique)))
+        return Capacity(text, blocks, value)
+    if unit in ("block", "blocks", "b"):
+        blocks = int(value)
+    else:
+        scale = {None: 1e9, "gb": 1e9, "g": 1e9, "gib": 2**30, "mb": 1e6, "m": 1e6, "mib": 2**20}[unit]
+        blocks = int(value * scale // block_bytes)
+    blocks = max(1, blocks)
+    return Capacity(text, blocks, blocks / unique if unique else None)
+
+
+def build_policy(name: str, clock: Callable[[], float], capacity: int | None, **kwargs) -> EvictionPolicy:
+    name = POLICY_ALIASES.get(name, name)
+    policy = make_policy(name, production=False, clock=clock, **kwargs)
+    if capacity is not None:
+        policy.set_capacity(capacity)
+    return policy
+
+
+def host_key_sequence(reqs: Sequence[TraceRequest]) -> list[int]:
+    """The keys the host tier sees through on_access/on_insert: every block access, in order (Belady's future)."""
+    return [h for r in reqs for h in r.hash_ids]
+
+
+def simulate(
+    reqs: Sequence[TraceRequest],
+    host: EvictionPolicy,
+    host_blocks: int,
+    ssd: EvictionPolicy | None = None,
+    ssd_blocks: int | None = None,
+    clock: ReplayClock | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict:
+    """Run the two-tier model; returns counters. `ssd=None` or `ssd_blocks=None` means an unbounded SSD."""
+    clock = clock or ReplayClock()
+    always = _always
+    host_used = 0
+    ssd_set: set[int] = set()
+    ssd_used = 0
+    bounded_ssd = ssd is not None and ssd_blocks is not None
+    accesses = host_hits = ssd_hits = misses = evictions = 0
+    for r in reqs:
+        clock.now = r.timestamp
+        chain = r.hash_ids
+        host.on_request(chain, r.timestamp)
+        for k in chain:
+            accesses += 1
+            if k in host:
+                host_hits += 1
+                host.on_access(k)
+                continue
+            if k in ssd_set:
+                ssd_hits += 1
+                if bounded_ssd:
+                    ssd.on_access(k)
+            else:
+                misses += 1
+                if bounded_ssd:
+                    if ssd_used + 1 > ssd_blocks:
+                        for v in list(ssd.victims(ssd_used + 1 - ssd_blocks, always)):
+                            ssd.on_remove(v)
+                            ssd_set.discard(v)
+                            ssd_used -= 1
+                            if v in host:  # inclusive: the host copy goes too
+                                host.on_remove(v)
+                                host_used -= 1
+                    ssd.on_insert(k, 1)
+                    ssd_used += 1
+                ssd_set.add(k)
+            if host_blocks <= 0:
+                continue
+            if host_used + 1 > host_blocks:
+                for v in host.victims(host_used + 1 - host_blocks, always):
+                    host.on_remove(v)
+                    host_used -= 1
+                    evictions += 1
+                if host_used + 1 > host_blocks:
+                    raise RuntimeError(f"{host.name}: victims() freed too little ({host_used}/{host_blocks})")
+            host.on_insert(k, 1)
+            host_used += 1
+        host.on_request_finished(chain, r.output_length, r.timestamp)
+        if progress is not None:
+            progress(1)
+    return {
+        "accesses": accesses,
+        "host_hits": host_hits,
+        "ssd_hits": ssd_hits,
+        "misses": misses,
+        "host_evictions": evictions,
+    }
+
+
+def _always(_key) -> bool:
+    return True
+
+
+def replay_one(
+    reqs: Sequence[TraceRequest],
+    policy: str,
+    host: Capacity,
+    ssd: Capacity | None = None,
+    ssd_policy: str = "lru",
+    policy_kwargs: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    """Replay `reqs` with `policy` governing the host tier (and `ssd_policy` a bounded SSD tier)."""
+    clock = ReplayClock()
+    name = POLICY_ALIASES.get(policy, policy)
+    hp = build_policy(name, clock, host.blocks, **(policy_kwargs or {}))
+    if name == "belady":
+        hp.set_future(host_key_sequence(reqs))  # type: ignore[attr-defined]
+    sp = None
+    if ssd is not None and ssd.blocks is not None:
+        if ssd_policy == "belady":
+            raise ValueError("belady cannot govern the SSD tier in a replay (its future depends on the host tier)")
+        sp = build_policy(ssd_policy, clock, ssd.blocks)
+    t0 = time.perf_counter()
+    c = simulate(reqs, hp, host.blocks or 0, sp, ssd.blocks if ssd else None, clock, progress)
+    dt = time.perf_counter() - t0
+    n = max(c["accesses"], 1)
+    extra = {}
+    stats = getattr(hp, "stats", None)
+    if callable(stats):
+        extra = stats()
+    uniq = unique_blocks(reqs)
+    return ReplayResult(
+        policy=name,
+        host_capacity=host.label,
+        host_capacity_blocks=host.blocks or 0,
+        host_capacity_fraction=(host.blocks or 0) / uniq if uniq else 0.0,
+        ssd_capacity=ssd.label if ssd else "inf",
+        ssd_capacity_blocks=ssd.blocks if ssd else None,
+        requests=len(reqs),
+        accesses=c["accesses"],
+        host_hits=c["host_hits"],
+        ssd_hits=c["ssd_hits"],
+        misses=c["misses"],
+        hit_rate=c["host_hits"] / n,
+        ssd_hit_rate=c["ssd_hits"] / n,
+        host_evictions=c["host_evictions"],
+        seconds=dt,
+        extra=extra,
+    )
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", help="request trace (JSON lines)")
+    parser.add_argument("--format", choices=["mooncake", "bailian"], default=None, help="default: sniffed")
+    parser.add_argument(
+        "--policies",
+        default="lru,arc,s3fifo,answer-length,belady",
+        help="comma list of policies (lru, fifo, lfu, arc, s3fifo, answer-length, belady)",
+    )
+    parser.add_argument(
+        "--host-capacity",
+        default="0.02,0.05",
+        help="comma list; a number <= 1 is a fraction of the trace's unique blocks, else GB (or 20GiB, 500blocks)",
+    )
+    parser.add_argument("--ssd-capacity", default="inf", help="like --host-capacity; default unbounded")
+    parser.add_argument("--ssd-policy", default="lru", help="policy of a bounded SSD tier (default lru)")
+    parser.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="bytes per block for GB sizes")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    parser.add_argument("--plot", default=None, help="write a PNG of hit rate against host capacity here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    reqs = read_trace(args.trace, args.format, args.limit)
+    if not reqs:
+        print(f"{args.trace}: no requests", file=sys.stderr)
+        return 1
+    uniq = unique_blocks(reqs)
+    policies = [POLICY_ALIASES.get(p.strip(), p.strip()) for p in args.policies.split(",") if p.strip()]
+    production_policy_names()  # loads every policy module
+    for p in policies:  # fail before replaying anything
+        if p not in POLICY_REGISTRY:
+            raise ValueError(f"unknown eviction policy {p!r}; choose from {sorted(POLICY_REGISTRY)}")
+    hosts = [parse_capacity(c, uniq, args.block_bytes) for c in args.host_capacity.split(",") if c.strip()]
+    ssd = parse_capacity(args.ssd_capacity, uniq, args.block_bytes)
+    logger.info(
+        "%s: %d requests, %d block accesses, %d unique blocks", args.trace, len(reqs),
+        sum(len(r.hash_ids) for r in reqs), uniq,
+    )
+    results: list[ReplayResult] = []
+    total = len(reqs) * len(policies) * len(hosts)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, dynamic_ncols=True)
+    try:
+        for host in hosts:
+            for p in policies:
+                if bar is not None:
+                    bar.set_postfix_str(f"{p}@{host.label}")
+                results.append(replay_one(reqs, p, host, ssd, args.ssd_policy, progress=bar.update if bar else None))
+    finally:
+        if bar is not None:
+            bar.close()
+    print(format_table(results))
+    if args.json_out:
+        write_json(args.json_out, args.trace, uniq, results)
+        logger.info("wrote %s", args.json_out)
+    if args.plot:
+        plot(results, args.plot, title=args.trace)
+        logger.info("wrote %s", args.plot)
+    return 0
+
+
+def format_table(results: Sequence[ReplayResult]) -> str:
+    head = f"{'policy':<14} {'host cap':>9} {'blocks':>8} {'hit rate':>9} {'ssd hits':>9} {'evictions':>10} {'time s':>7}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r.policy:<14} {r.host_capacity:>9} {r.host_capacity_blocks:>8} {100 * r.hit_rate:>8.2f}% "
+            f"{100 * r.ssd_hit_rate:>8.2f}% {r.host_evictions:>10} {r.seconds:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: str, trace: str, uniq: int, results: Sequence[ReplayResult]) -> None:
+    doc = {"trace": str(trace), "unique_blocks": uniq, "results": [asdict(r) for r in results]}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, default=_json_default)
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isinf(o):
+        return None
+    return str(o)
+
+
+def plot(results: Sequence[ReplayResult], path: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by_policy: dict[str, list[ReplayResult]] = {}
+    for r in results:
+        by_policy.setdefault(r.policy, []).append(r)
+    for name, rs in by_policy.items():
+        rs = sorted(rs, key=lambda r: r.host_capacity_blocks)
+        ax.plot(
+            [100 * r.host_capacity_fraction for r in rs], [100 * r.hit_rate for r in rs], marker="o", label=name,
+            linestyle="--" if name == "belady" else "-",
+        )
+    ax.set_xlabel("host capacity (% of unique blocks)")
+    ax.set_ylabel("host hit rate (% of block accesses)")
+    if title:
+        ax.set_title(str(title).rsplit("/", 1)[-1], fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
