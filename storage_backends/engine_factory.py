@@ -45,6 +45,10 @@ def build_engine(config, shape: ModelShape, *, instance_id: str | None = None, w
     """A post-initialised LMCacheEngine for `shape`, using `config` (an LMCacheEngineConfig)."""
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    from kvtier.storage_backends.host_policy import register_host_policies
+
+    register_host_policies()  # `cache_policy: KVTIER_<NAME>` selects a kvtier policy for LMCache's host tier
     from lmcache.v1.metadata import LMCacheMetadata
 
     from kvtier.kernels.dense_cpu_connector import DenseCPUConnector

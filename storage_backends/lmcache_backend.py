@@ -105,13 +105,14 @@ class KVTierBackend(StoragePluginInterface):
     def batched_contains(self, keys: List[CacheEngineKey], pin: bool = False) -> int:
         if self.tier is None:
             return 0
-        return self.tier.prefix_contains([k.to_string() for k in keys], pin)
+        # A pinned lookup is a request's lookup of its prefix chain (LMCache's retrieve-time checks do not pin).
+        return self.tier.prefix_contains([k.to_string() for k in keys], pin, request=pin)
 
     async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
         if self.tier is None:
             return 0
         strs = [k.to_string() for k in keys]
-        n = self.tier.prefix_contains(strs, pin)
+        n = self.tier.prefix_contains(strs, pin, request=True)
         if pin and n:
             self._lookup_pins.setdefault(lookup_id, []).extend(strs[:n])
         return n

@@ -37,6 +37,7 @@ from kvtier.kernels.posix_io import (
     pwrite_full,
 )
 from kvtier.storage_backends import metrics as M
+from kvtier.storage_backends import session_signals
 from kvtier.storage_backends.config import ConfigError, KVTierConfig
 from kvtier.storage_backends.eviction import EvictionPolicy, make_policy
 from kvtier.storage_backends.journal import Journal
@@ -145,8 +146,10 @@ class SSDTier:
                 ) from None
 
         self.policy = policy or make_policy(config.eviction_policy)
+
         self.stats = TierStats()
         self._lock = threading.RLock()
+        session_signals.register(self.policy, _key_string, self._lock)
         self._index: dict[str, _Entry] = {}
         self._slot_owner: dict[int, str] = {}
         self._free: list[int] = []  # heap of free slot numbers below _next_slot
@@ -209,6 +212,7 @@ class SSDTier:
                     del owner[e.slot]
         self._next_slot = max(owner, default=-1) + 1
         self._free = sorted(set(range(self._next_slot)).difference(owner))
+        self.policy.set_capacity(self.max_slots)
         for key in index:  # journal order = commit order: oldest first, as LRU wants
             self.policy.on_insert(key, 1)
         if len(records) > 2 * len(index) + 1024:
@@ -248,8 +252,12 @@ class SSDTier:
                 e.pins.append(time.monotonic() + self.config.pin_timeout_s)
             return True
 
-    def prefix_contains(self, keys: Sequence[str], pin: bool = False) -> int:
+    def prefix_contains(self, keys: Sequence[str], pin: bool = False, *, request: bool = False) -> int:
+        """How many leading keys are stored. `request=True` marks a request's lookup of its whole prefix chain,
+        which session-aware policies use to infer conversations (LMCache-only use)."""
         with self._lock:
+            if request and keys:
+                self.policy.on_request(list(keys), time.monotonic())
             n = 0
             for key in keys:
                 if not self.contains(key, pin):
@@ -408,6 +416,7 @@ class SSDTier:
                     raise
                 self.max_slots = self.files.allocated_slots() if self.files.is_allocated(slot - 1) else slot
                 self.max_slots = max(self.max_slots, len(self._index))
+                self.policy.set_capacity(max(1, self.max_slots))
                 if not self._disk_full_logged:
                     self._disk_full_logged = True
                     logger.error("disk full under %s: the SSD tier stays at %d slots (%.1f GiB) and evicts "
@@ -748,6 +757,11 @@ class SSDTier:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
+
+
+def _key_string(key: Any) -> str:
+    """LMCache keys -> the tier's string keys (strings pass through)."""
+    return key if isinstance(key, str) else key.to_string()
 
 
 def _bytes_view(buf) -> memoryview:

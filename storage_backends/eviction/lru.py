@@ -28,13 +28,17 @@ class LRUPolicy(EvictionPolicy):
         self._order.pop(key, None)
 
     def victims(self, need: int, evictable: Callable[[Key], bool]) -> Iterator[Key]:
+        # Oldest first. The caller removes each yielded key before asking for the next, so the scan restarts at the
+        # front instead of copying the order (no O(n) copy per decision).
         freed = 0
-        for key in list(self._order):
-            if freed >= need:
+        taken: set[Key] = set()
+        while freed < need:
+            key = next((k for k in self._order if k not in taken and evictable(k)), None)
+            if key is None:
                 return
-            if evictable(key):
-                freed += self._order[key]
-                yield key
+            taken.add(key)
+            freed += self._order[key]
+            yield key
 
     def __len__(self) -> int:
         return len(self._order)

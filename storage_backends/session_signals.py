@@ -1,0 +1,51 @@
+"""Process-wide fan-out of session signals to every live eviction policy (host tier and SSD tier).
+
+The vLLM connector learns when a request arrives and how long its answer was; LMCache-only use infers the
+chain from lookups. Both report here, in LMCache keys; each registered policy receives the chain in its own key
+space (the SSD tier keys by `CacheEngineKey.to_string()`, LMCache's host tier by the key objects themselves).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Callable, Hashable, Sequence
+
+from kvtier.storage_backends.eviction.base import EvictionPolicy
+
+_lock = threading.Lock()
+_sinks: "weakref.WeakKeyDictionary[EvictionPolicy, tuple[Callable[[Any], Hashable], threading.RLock | None]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def register(policy: EvictionPolicy, key_of: Callable[[Any], Hashable] = lambda k: k,
+             lock: threading.RLock | None = None) -> None:
+    """Let `policy` receive session signals; `key_of` maps an LMCache key to the policy's key; `lock` is the
+    lock the policy's owner holds around policy calls."""
+    with _lock:
+        _sinks[policy] = (key_of, lock)
+
+
+def _fan_out(call: Callable[[EvictionPolicy, list[Hashable]], None], chain: Sequence[Any]) -> None:
+    with _lock:
+        sinks = list(_sinks.items())
+    for policy, (key_of, lock) in sinks:
+        keys = [key_of(k) for k in chain]
+        if lock is None:
+            call(policy, keys)
+        else:
+            with lock:
+                call(policy, keys)
+
+
+def request_arrived(chain: Sequence[Any], now: float | None = None) -> None:
+    """A request that reads/extends the prefix chain `chain` (LMCache keys, in order) arrived."""
+    t = time.monotonic() if now is None else now
+    _fan_out(lambda p, keys: p.on_request(keys, t), chain)
+
+
+def request_finished(chain: Sequence[Any], answer_tokens: int, now: float | None = None) -> None:
+    """The request over `chain` finished after generating `answer_tokens` tokens."""
+    t = time.monotonic() if now is None else now
+    _fan_out(lambda p, keys: p.on_request_finished(keys, answer_tokens, t), chain)

@@ -1,0 +1,86 @@
+"""Eviction policies wired into the tiers they govern: kvtier's SSD tier and LMCache's host tier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.storage_backends import session_signals
+from kvtier.storage_backends.engine_factory import ModelShape, build_engine, destroy_engine, load_lmcache_config
+from kvtier.storage_backends.slot_format import HEADER_SIZE
+from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
+
+pytestmark = pytest.mark.compat
+CHUNK = 4096
+
+
+def put(t, key, seed):
+    data = np.full(CHUNK, seed % 256, dtype=np.uint8)
+    assert t.submit_put(key, ChunkMeta(CHUNK, (CHUNK,), "torch.uint8", "KV_2LTD"), memoryview(data), lambda ok: None)
+    assert t.flush(10)
+
+
+def touch(t, key):
+    buf = np.empty(CHUNK, dtype=np.uint8)
+    assert t.read_batch([key], lambda k, m: (memoryview(buf), k), lambda h: None) == [key]
+
+
+@pytest.mark.parametrize("policy, survivors", [("lru", ["a", "c", "d"]), ("fifo", ["b", "c", "d"])])
+def test_ssd_tier_evicts_through_its_policy(tier_config, policy, survivors):
+    t = SSDTier(tier_config(ssd_capacity_gb=3 * (HEADER_SIZE + CHUNK) / (1 << 30), eviction_policy=policy), CHUNK)
+    try:
+        assert t.policy.name == policy and t.policy.capacity == 3
+        for i, k in enumerate("abc"):
+            put(t, k, i)
+        touch(t, "a")  # LRU keeps a (recently used), FIFO evicts it (oldest insert)
+        put(t, "d", 3)
+        assert sorted(t.keys()) == survivors
+    finally:
+        t.close()
+
+
+def test_session_signals_reach_the_ssd_policy_in_its_key_space(tier_config):
+    seen = []
+    t = SSDTier(tier_config(), CHUNK)
+    try:
+        t.policy.on_request_finished = lambda chain, n, now=None: seen.append((list(chain), n))
+
+        class Key:  # an LMCache-like key
+            def __init__(self, s):
+                self.s = s
+
+            def to_string(self):
+                return self.s
+
+        session_signals.request_finished([Key("m@1@0@aa@bf16"), Key("m@1@0@bb@bf16")], 57)
+        assert seen == [(["m@1@0@aa@bf16", "m@1@0@bb@bf16"], 57)]
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("policy, present", [("fifo", [False, True, True, True]), ("lru", [True, False, True, True])])
+def test_lmcache_host_tier_uses_a_kvtier_policy(tmp_path, policy, present):
+    from lmcache.v1.storage_backend.cache_policy import POLICY_MAPPING
+
+    shape = ModelShape("kvtier-test/host-policy", 2, 2, 16, torch.bfloat16)
+    chunk_bytes = shape.chunk_bytes(16)
+    cfg_path = tmp_path / "host.yaml"
+    cfg_path.write_text(f"chunk_size: 16\nlocal_cpu: true\nmax_local_cpu_size: {3.5 * chunk_bytes / (1 << 30)}\n"
+                        f"cache_policy: KVTIER_{policy.upper()}\n")
+    e = build_engine(load_lmcache_config(str(cfg_path)), shape)
+    try:
+        assert "KVTIER_ANSWER_LENGTH" in POLICY_MAPPING
+        host = e.storage_manager.storage_backends["LocalCPUBackend"]
+        assert type(host.cache_policy).__name__ == f"KVTierHostPolicy_{policy}"
+        seqs = [torch.arange(i * 1000, i * 1000 + 16) for i in range(4)]
+        kv = torch.randn(2, 2, 16, 32).to(torch.bfloat16)
+        for s in seqs[:3]:
+            e.store(s, kvcaches=kv)
+        # A request's lookup (pinned, as vLLM's) is a hit on the oldest chunk; LMCache reports it to the policy.
+        assert e.lookup(seqs[0], pin=True, lookup_id="req-0") == 16
+        e.lookup_unpin("req-0")
+        e.store(seqs[3], kvcaches=kv)  # the pool holds 3 chunks: one must go
+        assert [e.lookup(s) == 16 for s in seqs] == present
+    finally:
+        destroy_engine(e)
