@@ -67,13 +67,16 @@ class SlotFiles:
         idx, pos = divmod(slot, self.slots_per_file)
         return pos < self._extent.get(idx, 0)
 
-    def ensure(self, slot: int) -> None:
-        """Grow the slot's file (by whole steps) so that the slot exists on disk. Raises OSError (ENOSPC...)."""
+    def ensure(self, slot: int, limit: int | None = None) -> None:
+        """Grow the slot's file (by whole steps, never past slot `limit - 1`, the tier's capacity) so that the
+        slot exists on disk. Raises OSError (ENOSPC...)."""
         idx, pos = divmod(slot, self.slots_per_file)
         have = self._extent.get(idx, 0)
         if pos < have:
             return
         want = min(self.slots_per_file, max(pos + 1, have + self.grow_step_slots))
+        if limit is not None:
+            want = max(pos + 1, min(want, limit - idx * self.slots_per_file))
         fd = self._open(idx)
         os.posix_fallocate(fd, have * self.slot_size, (want - have) * self.slot_size)
         self._extent[idx] = want

@@ -410,7 +410,7 @@ class SSDTier:
         if self._next_slot < self.max_slots:
             slot = self._next_slot
             try:
-                self.files.ensure(slot)
+                self.files.ensure(slot, limit=self.max_slots)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise

@@ -321,3 +321,18 @@ def test_bad_destination_is_a_miss_and_leaves_the_chunk_readable(tier):
     assert res == [None] and released == ["small"]
     assert np.array_equal(get(tier, "k"), payload(5))  # not dropped, not stuck with a reader
     assert tier.remove("k") and len(tier) == 0
+
+
+def test_files_never_grow_past_the_capacity(tier_config):
+    from kvtier.storage_backends.slot_format import HEADER_SIZE
+
+    slot = HEADER_SIZE + 4 * 4096
+    t = SSDTier(tier_config(ssd_capacity_gb=5 * slot / (1 << 30), grow_step_mb=1024), CHUNK)
+    try:
+        for i in range(7):
+            assert put(t, f"k{i}", payload(i))
+        size = sum(os.path.getsize(os.path.join(t.directory, f)) for f in os.listdir(t.directory)
+                   if f.endswith(".dat"))
+        assert size == 5 * slot and len(t) == 5  # a 1 GiB grow step is capped at the 5-slot capacity
+    finally:
+        t.close()
