@@ -1,15 +1,20 @@
 """kvtier's eviction policies as LMCache host-tier cache policies (`cache_policy: KVTIER_<NAME>` in the YAML).
 
 `register_host_policies()` adds one entry per production policy to LMCache's `POLICY_MAPPING` (e.g.
-`KVTIER_ANSWER_LENGTH`, `KVTIER_S3FIFO`). It must run before LMCache builds its host tier: vLLM runs it in every
-process through kvtier's `vllm.general_plugins` entry point; LMCache-only programs call it once at start
-(`kvtier.storage_backends.engine_factory` does). The adapter keeps LMCache's own dict as the store and lets the
+`KVTIER_ANSWER_LENGTH`, `KVTIER_S3FIFO`). It must run before LMCache builds its host tier. kvtier's
+`vllm.general_plugins` entry point (`install`) arranges that in every vLLM process without importing LMCache
+itself (vLLM's CPU worker rebinds Triton kernels across all loaded modules at start and trips over LMCache's): it
+registers the policies right after LMCache's cache-policy module is first imported. LMCache-only programs call
+`register_host_policies()` once at start (`kvtier.storage_backends.engine_factory` does). The adapter keeps LMCache's own dict as the store and lets the
 kvtier policy choose victims; session signals reach it through `session_signals`.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 from typing import Any
 
 from kvtier.storage_backends import session_signals
@@ -82,3 +87,39 @@ def register_host_policies() -> list[str]:
             cache_policy.POLICY_MAPPING[key] = _adapter_class(name)
         names.append(key)
     return names
+
+
+_LMCACHE_POLICIES = "lmcache.v1.storage_backend.cache_policy"
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Runs `register_host_policies` as soon as LMCache's cache-policy module has been executed."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _LMCACHE_POLICIES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                loader = spec.loader
+                original = loader.exec_module
+
+                def exec_module(module, _original=original):
+                    _original(module)
+                    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterAfterImport)]
+                    register_host_policies()
+
+                loader.exec_module = exec_module  # type: ignore[method-assign]
+                return spec
+        return None
+
+
+def install() -> None:
+    """The `vllm.general_plugins` entry point: make `cache_policy: KVTIER_<NAME>` available to LMCache in this
+    process, without importing LMCache now."""
+    if _LMCACHE_POLICIES in sys.modules:
+        register_host_policies()
+    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())

@@ -170,6 +170,11 @@ class KVTierBackend(StoragePluginInterface):
             obj.metadata.cached_positions = torch.tensor(meta.extra["cached_positions"], dtype=torch.long)
         return obj.byte_array, obj
 
+    def read(self, keys: Sequence[CacheEngineKey], *, wait_for_memory: bool = True) -> list[Optional[MemoryObj]]:
+        """Read chunks into LMCache host objects (one batched request). `wait_for_memory=False` never waits for
+        room in a full host pool: those chunks come back as None (misses) instead."""
+        return self._read(keys, wait_for_memory)
+
     def _read(self, keys: Sequence[CacheEngineKey], busy_loop: bool) -> list[Optional[MemoryObj]]:
         if self.tier is None:
             return [None] * len(keys)

@@ -84,3 +84,23 @@ def test_lmcache_host_tier_uses_a_kvtier_policy(tmp_path, policy, present):
         assert [e.lookup(s) == 16 for s in seqs] == present
     finally:
         destroy_engine(e)
+
+
+def test_vllm_plugin_entry_point_registers_lazily():
+    """The general-plugin hook must not import LMCache (vLLM's CPU worker start trips over it) yet make
+    KVTIER_* policies available as soon as LMCache's policy table is imported."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        from importlib.metadata import entry_points
+        (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "kvtier_host_policies"]
+        ep.load()()
+        assert "lmcache" not in sys.modules, "the plugin imported LMCache"
+        from lmcache.v1.storage_backend.cache_policy import get_cache_policy
+        print(type(get_cache_policy("KVTIER_ANSWER_LENGTH")).__name__)
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "KVTierHostPolicy_answer_length" in res.stdout, res.stderr[-3000:]

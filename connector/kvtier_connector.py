@@ -1,0 +1,135 @@
+"""`KVTierConnector`: the vLLM KV connector (KVConnectorBase_V1) that serves KV from kvtier's host and SSD tiers.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector":"KVTierConnector",
+      "kv_connector_module_path":"kvtier.connector","kv_role":"kv_both","kv_load_failure_policy":"recompute",
+      "kv_connector_extra_config":{"config_file":"configs/lmcache-kvtier.yaml"}}'
+
+One class, two roles (vLLM builds one instance per role): the scheduler role delegates to `SchedulerSide`
+(tier hints, eager SSD prefetch, load/save planning), the worker role to `WorkerSide` (an LMCache engine with
+kvtier's SSD tier and page-first GPU connector). Configuration and versions are checked in the constructor, so a
+bad setting stops the engine at start.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from kvtier.connector.config import check_versions, load_connector_config
+from kvtier.connector.messages import KVTierConnectorMetadata
+from kvtier.connector.metrics import KVTierConnectorStats
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("kvtier.connector")
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        vv, lv = check_versions()
+        ktc = vllm_config.kv_transfer_config
+        if int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1) > 1:
+            from kvtier.storage_backends.config import ConfigError
+
+            raise ConfigError("the kvtier connector does not support pipeline parallelism yet")
+        if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning("kvtier: kv_load_failure_policy is %r: a KV block that fails to load fails its request; "
+                           "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
+                           ktc.kv_load_failure_policy)
+        self.cfg = load_connector_config(ktc.kv_connector_extra_config, int(vllm_config.cache_config.block_size))
+        self.scheduler_side = None
+        self.worker_side = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvtier.connector.scheduler_side import SchedulerSide
+
+            self.scheduler_side = SchedulerSide(vllm_config, self.cfg)
+        else:
+            from kvtier.connector.worker_side import WorkerSide
+
+            self.worker_side = WorkerSide(vllm_config, self.cfg)
+        logger.info("kvtier connector (%s role) on vLLM %s, LMCache %s, config %s", role.name, vv, lv,
+                    self.cfg.config_file)
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None and isinstance(connector_metadata, KVTierConnectorMetadata):
+            self.worker_side.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.worker_side is not None:
+            self.worker_side.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.worker_side is not None:
+            self.worker_side.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete in start_load_kv (host memory -> KV cache, one batch)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # saves run once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.wait_for_save()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors() if self.worker_side is not None else set()
+
+    def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
+        return self.worker_side.take_stats() if self.worker_side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierConnectorStats:
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: Any) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.on_new_request(request)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ kvtier extras (scheduler hooks)
+    def tier_hint(self, request_id: str):
+        """The latest `TierHint` of a waiting request (None if unknown)."""
+        return self.scheduler_side.tier_hint(request_id) if self.scheduler_side is not None else None
+
+    def set_scheduling_policy(self, policy: Any) -> None:
+        """Called by kvtier's dual-queue scheduler: prefetches follow its disk-HRRN order."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.set_scheduling_policy(policy)

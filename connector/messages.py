@@ -1,0 +1,110 @@
+"""Typed data that crosses the connector's boundaries.
+
+Scheduler -> worker travels inside vLLM's per-step connector metadata (`KVTierConnectorMetadata`, pickled by vLLM
+when scheduler and worker are different processes): KV to load, KV to save, and finished requests (answer-length
+feedback for the storage side's eviction policy). Scheduler <-> storage lookups and prefetch commands travel over
+the connector's own RPC (`kvtier.connector.rpc`) as `LookupResult` / `PrefetchResult` dictionaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load `token_ids[gpu_cached:load_end]`'s KV (host tier) into the request's blocks before its forward pass."""
+
+    req_id: str
+    token_ids: list[int]  # the first `load_end` tokens of the request (keys are prefix hashes over them)
+    block_ids: list[int]  # the request's blocks, in token order
+    gpu_cached: int  # tokens already in vLLM's GPU cache (block aligned); left untouched
+    load_end: int  # chunk-aligned end of the hit
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Store the KV of `token_ids[skip:]` (full chunks only) after this step's forward pass."""
+
+    req_id: str
+    token_ids: list[int]  # the first `save_end` tokens (a multiple of the chunk size)
+    block_ids: list[int]
+    skip: int  # chunk-aligned prefix already stored
+
+
+@dataclass(frozen=True)
+class FinishedSpec:
+    """A finished request: its token chain (the session it extends) and its answer length."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + generated tokens
+    prompt_tokens: int
+    answer_tokens: int
+    finished_at: float
+
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    """Everything the worker side does in one engine step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    finished: list[FinishedSpec] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.finished)
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Where a token prefix lives in the storage side (one worker rank, or the minimum over ranks).
+
+    Walked chunk by chunk from the first token: `host_end` is the end of the longest prefix that is entirely in
+    the host tier; `hit_end` the end of the longest prefix present in host or SSD; `ssd_tokens`/`ssd_bytes`
+    count the chunks of `[0, hit_end)` that are only on SSD (what a prefetch must read).
+    """
+
+    host_end: int = 0
+    hit_end: int = 0
+    ssd_tokens: int = 0
+    ssd_bytes: int = 0
+    chunk_size: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LookupResult":
+        return cls(**{k: int(d.get(k, 0)) for k in ("host_end", "hit_end", "ssd_tokens", "ssd_bytes", "chunk_size")})
+
+    @staticmethod
+    def combine(results: list["LookupResult"]) -> "LookupResult":
+        """The usable prefix over several ranks (each rank holds its own shard of every chunk)."""
+        if not results:
+            return LookupResult()
+        hit = min(r.hit_end for r in results)
+        host = min(r.host_end for r in results)
+        worst = max(results, key=lambda r: r.ssd_tokens)
+        return LookupResult(min(host, hit), hit, min(worst.ssd_tokens, hit), worst.ssd_bytes, results[0].chunk_size)
+
+
+@dataclass(frozen=True)
+class PrefetchResult:
+    """Outcome of one request's SSD -> host prefetch on one rank."""
+
+    ok: bool
+    tokens: int = 0  # tokens whose chunks are now in host memory (pinned for the request)
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PrefetchResult":
+        return cls(bool(d.get("ok")), int(d.get("tokens", 0)), int(d.get("nbytes", 0)), float(d.get("seconds", 0.0)),
+                   str(d.get("error", "")))

