@@ -10,7 +10,9 @@ import sys
 # subcommand -> (module that defines `add_arguments(parser)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check-config": ("kvtier.storage_backends.check_config", "load an LMCache YAML as LMCache does; fail loudly"),
-    "demo": ("kvtier.demo", "the main job: replay a multi-turn trace slice through LMCache + kvtier"),
+    "demo": ("kvtier.demo", "replay a multi-turn trace slice through LMCache, with and without kvtier's SSD tier"),
+    "demo-vllm": ("kvtier.demo_vllm", "the main job: replay multi-turn conversations through vLLM, with and without "
+                  "kvtier"),
     "replay": ("kvtier.storage_backends.replay", "replay a request trace against eviction policies"),
     "simulate": ("kvtier.scheduler_hooks.simulate", "discrete-event replay of scheduling policies"),
 }

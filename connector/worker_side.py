@@ -253,12 +253,14 @@ class WorkerSide:
             time.sleep(self.cfg.options.debug_prefetch_delay_s)
         try:
             todo = []
-            for start, end, key in self._chunks(tokens):
-                if self.host.contains(key):
-                    continue
-                if not self.ssd.tier.contains(key.to_string()):
-                    break
-                todo.append((start, end, key))
+            with self._lock:
+                for start, end, key in self._chunks(tokens):
+                    # Pin what is already in host memory: the chunks this prefetch brings in must not evict it.
+                    if self._pin(rid, key):
+                        continue
+                    if not self.ssd.tier.contains(key.to_string()):
+                        break
+                    todo.append((start, end, key))
             objs = self.ssd.read([k for _, _, k in todo], wait_for_memory=False) if todo else []
             nbytes, ntok, ok = 0, 0, True
             with self._lock:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# kvtier's main job (README): builds or reuses the environment, then runs the demo (`kvtier demo --help`).
+# kvtier's main job (README): builds or reuses the environment, then runs the vLLM demo (`kvtier demo-vllm --help`):
+# multi-turn Mooncake conversations through real vLLM (CPU build, tiny model), without and with kvtier.
+# The LMCache-level demo is `kvtier demo`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 main=$("$ROOT/scripts/env.sh" main)
 export LMCACHE_TRACK_USAGE=false
 cd "$ROOT"
-exec "$main/bin/kvtier" demo "$@"
+exec "$main/bin/kvtier" demo-vllm "$@"
