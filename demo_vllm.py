@@ -266,19 +266,11 @@ def engine_main(args_path: str) -> None:
         rec.update(gpu_hit=gpu, host_hit=host, ssd_hit=ssd)
     out: dict[str, Any] = {"requests": recs, "wall_s": wall, "start_s": start_s}
     if conn is not None and getattr(conn, "scheduler_side", None) is not None:
-        ss = conn.scheduler_side
-        ss.client.call({"op": "flush", "timeout": 60})
-        out["counters"] = dict(ss.counters)
-        out["storage"] = ss.client.call({"op": "stats"})[0]
-        out["policy"] = type(getattr(ss, "policy", None)).__name__
-        from prometheus_client import REGISTRY
+        from kvtier.connector.metrics import kvtier_samples
 
-        m = {}
-        for fam in REGISTRY.collect():
-            if fam.name.startswith("kvtier_"):
-                for s in fam.samples:
-                    m[s.name + "".join(f"/{k}={v}" for k, v in sorted(s.labels.items()))] = s.value
-        out["metrics"] = m
+        snap = conn.scheduler_side.snapshot()
+        out.update(counters=snap["counters"], storage=snap["storage"], policy=snap["policy"])
+        out["metrics"] = kvtier_samples()
     src: dict[str, float] = {}
     for x in llm.get_metrics():
         if x.name == "vllm:prompt_tokens_cached_by_source":

@@ -13,6 +13,18 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+def kvtier_samples() -> dict[str, float]:
+    """Every `kvtier_*` Prometheus sample of this process, flattened to `name/label=value...` -> value."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for fam in REGISTRY.collect():
+        if fam.name.startswith("kvtier_"):
+            for s in fam.samples:
+                out[s.name + "".join(f"/{k}={v}" for k, v in sorted(s.labels.items()))] = s.value
+    return out
+
+
 _LAT = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 HIT_TOKENS = Counter("kvtier_connector_hit_tokens_total",

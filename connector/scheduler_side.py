@@ -316,5 +316,11 @@ class SchedulerSide:
                                           int(request.num_output_tokens), time.time()))
         return False, None
 
+    def snapshot(self) -> dict[str, Any]:
+        """Counters of this side and the workers' storage stats, after the workers' queued saves have landed."""
+        self.client.call({"op": "flush", "timeout": 60})
+        return {"counters": dict(self.counters), "admitted": [list(a) for a in self.admitted],
+                "storage": self.client.call({"op": "stats"})[0], "policy": type(self.policy).__name__}
+
     def close(self) -> None:
         self.client.close()

@@ -84,21 +84,10 @@ def main():
     core = llm.llm_engine.engine_core.engine_core
     conn = core.scheduler.connector
     if conn is not None:
-        ss = conn.scheduler_side
-        ss.client.call({"op": "flush", "timeout": 60})
-        out["counters"] = dict(ss.counters)
-        out["admitted"] = [list(a) for a in ss.admitted]
-        out["storage"] = ss.client.call({"op": "stats"})[0]
-        out["policy"] = type(getattr(ss, "policy", None)).__name__
-    from prometheus_client import REGISTRY
+        out.update(conn.scheduler_side.snapshot())
+    from kvtier.connector.metrics import kvtier_samples
 
-    m = {}
-    for fam in REGISTRY.collect():
-        if fam.name.startswith("kvtier_"):
-            for s in fam.samples:
-                key = s.name + "".join(f"/{k}={v}" for k, v in sorted(s.labels.items()))
-                m[key] = s.value
-    out["metrics"] = m
+    out["metrics"] = kvtier_samples()
     src = {}
     for x in llm.get_metrics():
         if x.name == "vllm:prompt_tokens_cached_by_source":
