@@ -654,20 +654,17 @@ class SSDTier:
         lo, hi = rng
         part = dest[lo:hi]
         off = base + HEADER_SIZE + lo
+        lead = 0  # bytes of the segment read in the same request as the header
         if hdr is not None:
-            direct = (hi - lo) // ALIGN * ALIGN if (is_aligned(part) or not self.config.o_direct) else 0
-            if self._kvikio is None and direct and not self.config.o_direct:
-                direct = hi - lo
-            if self._kvikio is None and direct:
-                preadv_full(fd, [hdr, part[:direct]], base)
-                if direct < hi - lo:
-                    self._read_range(fd, part[direct:], off + direct)
-                return checksum(part)
-            pread_full(fd, hdr, base)
-        return self._read_range_checked(fd, part, off)
-
-    def _read_range_checked(self, fd: int, part: memoryview, off: int) -> int:
-        self._read_range(fd, part, off)
+            if self._kvikio is None:
+                lead = (hi - lo) if not self.config.o_direct else ((hi - lo) // ALIGN * ALIGN if is_aligned(part)
+                                                                    else 0)
+            if lead:
+                preadv_full(fd, [hdr, part[:lead]], base)
+            else:
+                pread_full(fd, hdr, base)
+        if lead < hi - lo:
+            self._read_range(fd, part[lead:], off + lead)
         return checksum(part)
 
     def _read_range(self, fd: int, part: memoryview, off: int) -> None:
