@@ -49,10 +49,10 @@ class RunResult:
     wall_s: float = 0.0
 
 
-def _chunk_kv(prefix_digest: bytes, shape) -> torch.Tensor:
+def _chunk_kv(prefix_digest: bytes, shape, chunk: int) -> torch.Tensor:
     """The KV a model would compute for a chunk: a deterministic function of the whole prefix up to it."""
     g = torch.Generator().manual_seed(int.from_bytes(prefix_digest[:8], "little") & ((1 << 63) - 1))
-    return torch.randn(2, shape.num_layers, shape.chunk_tokens, shape.hidden, generator=g).to(shape.dtype)
+    return torch.randn(2, shape.num_layers, chunk, shape.hidden, generator=g).to(shape.dtype)
 
 
 def _replay(name: str, yaml_text: str, requests, shape, block_tokens: int, chunk: int) -> RunResult:
@@ -92,13 +92,13 @@ def _replay(name: str, yaml_text: str, requests, shape, block_tokens: int, chunk
             res.bytes_retrieved += got * per_token
             for c in range(got // chunk):  # every retrieved byte must be the KV of that exact prefix
                 if not torch.equal(kv[:, :, c * chunk:(c + 1) * chunk].view(torch.int16),
-                                   _chunk_kv(digests[c], shape).view(torch.int16)):
+                                   _chunk_kv(digests[c], shape, chunk).view(torch.int16)):
                     res.wrong_kv += 1
             served_host = min(got, host_hit)
             res.hit_tokens["host"] += served_host
             res.hit_tokens["ssd"] += got - served_host
             for c in range(got // chunk, n // chunk):  # "prefill" the rest
-                kv[:, :, c * chunk:(c + 1) * chunk] = _chunk_kv(digests[c], shape)
+                kv[:, :, c * chunk:(c + 1) * chunk] = _chunk_kv(digests[c], shape, chunk)
             t0 = time.perf_counter()
             engine.store(ids, kvcaches=kv)
             res.store_s += time.perf_counter() - t0
@@ -120,7 +120,6 @@ def run(args: argparse.Namespace) -> int:
 
     chunk = args.block_tokens
     shape = ModelShape("kvtier-demo/llama-mini", num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
-    shape_ct = _ShapeWithChunk(shape, chunk)
     requests = read_mooncake(args.trace, limit=args.requests)
     ssd_dir = args.ssd_path or tempfile.mkdtemp(prefix="kvtier-demo-")
     if args.ssd_path is None:
@@ -138,23 +137,13 @@ def run(args: argparse.Namespace) -> int:
           f"{chunk}-token chunks of {chunk_kib:.0f} KiB; host tier {args.host_mb:g} MiB, SSD tier {args.ssd_mb:g} "
           f"MiB at {ssd_dir}")
     results = [
-        _replay("LMCache host only", base, requests, shape_ct, args.block_tokens, chunk),
-        _replay("LMCache + kvtier", with_ssd, requests, shape_ct, args.block_tokens, chunk),
+        _replay("LMCache host only", base, requests, shape, args.block_tokens, chunk),
+        _replay("LMCache + kvtier", with_ssd, requests, shape, args.block_tokens, chunk),
     ]
     _report(results)
     if args.ssd_path is None:
         shutil.rmtree(os.path.dirname(ssd_dir), ignore_errors=True)
     return 1 if any(r.wrong_kv for r in results) else 0
-
-
-class _ShapeWithChunk:
-    """ModelShape plus the demo's chunk length (for generating chunk KV)."""
-
-    def __init__(self, shape, chunk_tokens: int) -> None:
-        self._shape, self.chunk_tokens = shape, chunk_tokens
-
-    def __getattr__(self, name):
-        return getattr(self._shape, name)
 
 
 def _report(results: list[RunResult]) -> None:
