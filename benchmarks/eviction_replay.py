@@ -29,7 +29,9 @@ POLICIES = ["lru", "fifo", "lfu", "arc", "s3fifo", "answer-length", "belady"]
 CAPACITIES = ["0.02", "0.05"]
 ABLATION = [
     ("full", {}),
-    ("- answer-length lower bound", {"use_answer_length": False}),
+    ("- answer length (bound, timing)", {"use_answer_length": False}),
+    ("- answer-length timing rows", {"answer_timing": False}),
+    ("- previous-gap timing rows", {"gap_timing": False}),
     ("- depth", {"use_depth": False}),
     ("- new-chunks count", {"use_new_blocks": False}),
     ("- tail class", {"use_tail": False}),

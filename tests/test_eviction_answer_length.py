@@ -89,6 +89,45 @@ def test_reuse_model_hazard_and_censoring():
     assert all(d >= 0 for d in dens)
 
 
+def test_reuse_model_timing_ratios():
+    """Timing keys say *when* relative to what the items' own classes expect (observed / expected returns)."""
+    m = ReuseModel(BUCKETS, n_classes=2, prior_strength=0.0, n_timing=2)
+    early, late = [], []
+    for i in range(40):
+        for key, out in ((0, early), (1, late)):
+            it = m.start(i % 2, 0.0)  # both classes carry both keys, 20 items each
+            it.timing = key
+            out.append(it)
+    for it in early[:20]:
+        m.returned(it, 1.0)  # bucket 0, 10 per class
+    for it in late[:20]:
+        m.returned(it, 20.0)  # bucket 2, 10 per class
+    m.advance(1000.0)
+    assert m.timing_events[0][0] == 20 and m.timing_events[1][2] == 20
+    assert m.timing_at_risk[0][0] == [20, 10, 10, 10] and m.timing_at_risk[1][1][2] == 20
+    hz = m.hazards()
+    assert hz[0][0] == pytest.approx(0.25) and hz[0][2] == pytest.approx(1 / 3)
+    raw = m.timing_ratios(hz, strength=0.0)
+    assert raw[0][0] == pytest.approx(20 / (40 * 0.25)) and raw[1][0] == 0.0  # 20 seen, 10 expected; 0 seen
+    assert raw[0][2] == 0.0 and raw[1][2] == pytest.approx(20 / (40 / 3))  # key 0's 20 survivors never return
+    assert raw[0][1] == 1.0 and raw[1][3] == 1.0  # nothing happens there: no reshaping
+    shrunk = m.timing_ratios(hz, strength=40.0)  # 40 pseudo-items at the pooled hazard (20/80)
+    assert shrunk[0][0] == pytest.approx((20 + 10) / (10 + 10))
+    assert m.return_probability(0) == pytest.approx(0.5)  # whether: the classes' business, unchanged
+
+    # A key that only rides on a class (key 0 = class 0, key 1 = class 1) earns no reshaping of its own.
+    m = ReuseModel(BUCKETS, n_classes=2, prior_strength=0.0, n_timing=2)
+    for cls, returns in ((0, 20), (1, 4)):
+        items = [m.start(cls, 0.0) for _ in range(40)]
+        for it in items:
+            it.timing = cls
+        for it in items[:returns]:
+            m.returned(it, 1.0)
+    m.advance(1000.0)
+    conf = m.timing_ratios(m.hazards(), strength=0.0)
+    assert conf[0][0] == pytest.approx(1.0) and conf[1][0] == pytest.approx(1.0)
+
+
 def test_reuse_model_bounded_items():
     m = ReuseModel(BUCKETS, n_classes=1, max_items=10)
     got = [m.start(0, 0.0) for _ in range(25)]
@@ -102,8 +141,10 @@ def test_session_inference_from_chains():
     tr = SessionTracker()
     s1, f1 = tr.begin([0, 1, 2, 3], 0.0)
     assert not f1 and s1.depth == 1
+    assert s1.prev_gap is None
     s2, f2 = tr.begin([0, 1, 2, 4, 5], 10.0)  # repeats the parent's chain minus its partial last chunk
     assert f2 and s2 is s1 and s1.depth == 2 and s1.new_blocks == 2  # chunks 4 and 5
+    assert s1.prev_gap == 10.0
     s3, f3 = tr.begin([0, 7, 8], 11.0)  # only the shared system prompt matches: a new conversation
     assert not f3 and s3 is not s1
     s4, f4 = tr.begin([0, 1, 2, 4, 5, 9], 30.0)  # the parent's last chunk was full: extended as is
@@ -167,6 +208,33 @@ def test_answer_length_uses_the_signals():
     short_b, long_b = pol._lb_bucket[0], pol._lb_bucket[4]
     assert long_b > short_b
     assert pol.buckets.lower(long_b) >= 30.0
+    # and the timing rows: after a long answer the hazard of an early return is below the short answer's
+    ratios = pol.reuse.timing_ratios(pol.reuse.hazards(), pol.cfg.timing_strength)
+    key_short, key_long = pol._timing_key(0, 10.0), pol._timing_key(4, 10.0)
+    early = pol.buckets.index(5.0)
+    assert ratios[key_short][early] > 1.0 > ratios[key_long][early]
+
+
+def test_user_pace_reshapes_timing():
+    """Two kinds of users with the same answers: fast ones come back after ~5 s, slow ones after ~100 s. Only
+    the previous gap tells them apart; with it the policy hits more than without it."""
+    rng = random.Random(11)
+    events, nid = [], 1
+    for s in range(700):
+        t, chain, pace = 2.0 * s, [0], (5.0 if s % 2 else 100.0)
+        for _turn in range(6):
+            chain = chain + list(range(nid, nid + 3))
+            nid += 3
+            events.append((t, tuple(chain), 100))
+            t += pace * (0.8 + 0.4 * rng.random())
+    events.sort(key=lambda e: e[0])
+    reqs = [TraceRequest(i, t, c, 512 * len(c), a, 0, None, 1) for i, (t, c, a) in enumerate(events)]
+    with_gap, pol = _replay(reqs, "answer-length", 300, fallback=())
+    without, _ = _replay(reqs, "answer-length", 300, fallback=(), gap_timing=False)
+    assert with_gap > 1.08 * without, (with_gap, without)
+    ratios = pol.reuse.timing_ratios(pol.reuse.hazards(), pol.cfg.timing_strength)
+    fast, slow = pol._timing_key(2, 5.0), pol._timing_key(2, 100.0)
+    assert ratios[fast][pol.buckets.index(5.0)] > 1.0 > ratios[slow][pol.buckets.index(5.0)]
 
 
 def test_first_victims_are_dead_chunks():

@@ -21,6 +21,11 @@ where e is the bucket of the time waited so far.
 - The previous answer's length prunes: per answer-length bucket the policy learns a low quantile of the observed
   times to the next turn (a lower bound: a long answer takes long to read); a session whose next turn cannot have
   come yet is scored as if it had waited until that bound, and pays for the idle time until then.
+- Timing rows: the answer length and the user's pace (the time between the session's two latest turns) say *when*
+  the next turn comes, hardly *whether* (that is the class's business). A session's hazards are its class's
+  hazards times a ratio per timing key (answer bucket x previous-gap bucket) and reuse-time bucket: the returns
+  seen for that key over the returns its items' own classes expected (observed / expected, so a key gets no
+  credit for its classes' depth), shrunk towards 1 by `timing_strength` pseudo-items.
 - Units: a session's resident history chunks are evicted together as one unit, deepest chunk first (the prefix
   stays useful longest); tail/shared/orphan chunks are units of their own. Units are filed by (class, lower
   bound) in order of last activity; within such a group the score depends on the age alone, so one decision
@@ -61,6 +66,7 @@ DEPTH_EDGES = (1, 2, 3, 5, 9)  # depth buckets: 1, 2, 3-4, 5-8, 9+
 ANSWER_EDGES = (30, 100, 250, 500, 1000)  # answer buckets after "unknown": <30, <100, <250, <500, <1000, 1000+
 NEW_EDGES = (2, 5, 17)  # chunks the turn added: 1, 2-4, 5-16, 17+
 SHARE_EDGES = (3, 5, 9, 17)  # shared chunks by accesses: 2, 3-4, 5-8, 9-16, 17+
+GAP_EDGES = (45, 180)  # seconds between a session's two latest turns, after "first turn"
 
 TAIL, SHARED, ORPHAN = 1, 2, 3  # KeyUnit kinds; sessions are kind 0
 
@@ -76,7 +82,10 @@ def _bucket(value: int, edges: Sequence[int]) -> int:
 class AnswerLengthConfig:
     """Knobs (and the ablation switches)."""
 
-    use_answer_length: bool = True  #: previous answer length as a lower bound on the next turn's reuse time
+    use_answer_length: bool = True  #: previous answer length: a lower bound on the next turn's reuse time
+    answer_timing: bool = True  #: ... and a reshaping of the session's reuse-time hazards (when, not whether)
+    gap_timing: bool = True  #: the time between a session's two latest turns (the user's pace) reshapes them too
+    timing_strength: float = 100.0  #: pseudo-items pulling a timing key's hazard ratios towards 1
     answer_in_class: bool = False  #: also split session classes by answer length (sparser; off by default)
     lb_quantile: float = 0.05  #: the lower bound is this quantile of the observed return times per answer bucket
     lb_min_samples: int = 20
@@ -176,8 +185,13 @@ class AnswerLengthPolicy(EvictionPolicy):
         self.C_ORPHAN = self.C_SHARED0 + len(SHARE_EDGES) + 1
         n_classes = self.C_ORPHAN + 1
         self._family = [0] * self.C_TAIL + [1] + [2] * (len(SHARE_EDGES) + 1) + [3]
+        # Timed session rows: session class x timing key (answer bucket x previous-gap bucket), after the classes.
+        self._n_base = n_classes
+        self._na_t = len(ANSWER_EDGES) + 1 if (cfg.use_answer_length and cfg.answer_timing) else 1
+        self._ng_t = len(GAP_EDGES) + 2 if cfg.gap_timing else 1
+        self._n_timing = self._na_t * self._ng_t if self._na_t * self._ng_t > 1 else 0
         self.reuse = ReuseModel(self.buckets, n_classes, prior_of=self._family.__getitem__, max_items=cfg.max_items,
-            prior_strength=cfg.prior_strength,
+            prior_strength=cfg.prior_strength, n_timing=self._n_timing,
         )
         self.ghost = GhostBelady(self.buckets, cfg.ghost_sample_rate, cfg.ghost_window, cfg.ghost_refresh)
         self.sessions = SessionTracker(cfg.max_sessions)
@@ -255,6 +269,11 @@ class AnswerLengthPolicy(EvictionPolicy):
         z = _bucket(new_blocks, NEW_EDGES) if self.cfg.use_new_blocks else 0
         return (max(d, 0) * self._na + a) * self._nz + z
 
+    def _timing_key(self, answer_bucket: int, prev_gap: float | None) -> int:
+        a = answer_bucket if self._na_t > 1 else 0
+        g = 0 if (self._ng_t == 1 or prev_gap is None) else 1 + _bucket(int(prev_gap), GAP_EDGES)
+        return a * self._ng_t + g
+
     def _shared_class(self, count: int) -> int:
         return self.C_SHARED0 + _bucket(count, SHARE_EDGES)
 
@@ -279,10 +298,17 @@ class AnswerLengthPolicy(EvictionPolicy):
                     if acc > target:
                         self._lb_bucket[a] = b
                         break
+        rows = None
+        if self._n_timing:
+            rows = self.reuse.hazards()
+            ratios = self.reuse.timing_ratios(rows, self.cfg.timing_strength)
+            for c in range(self.C_TAIL):
+                for t in range(self._n_timing):
+                    rows.append([min(1.0, lam * r) for lam, r in zip(rows[c], ratios[t])])
         if self.cfg.score == "density":
-            self._table, self._occ = self.reuse.density_tables(self._h(), self._stay())
+            self._table, self._occ = self.reuse.density_tables(self._h(), self._stay(), rows)
         else:
-            self._table = self.reuse.potential_table(self._h())
+            self._table = self.reuse.potential_table(self._h(), rows)
             self._occ = None
         self._since_refresh = 0
 
@@ -424,11 +450,16 @@ class AnswerLengthPolicy(EvictionPolicy):
             cls = self._hist_class(s.depth, s.answer_tokens, s.new_blocks)
             self.reuse.cancel(s.item)
             s.item = self.reuse.start(cls, s.last_time, max(1, s.chain_len - 1) if self.cfg.chunk_weighted else 1.0)
+            a = _bucket(s.answer_tokens, ANSWER_EDGES)
             if self.cfg.use_answer_length:
-                a = _bucket(s.answer_tokens, ANSWER_EDGES)
                 if s.item is not None:
                     s.item.answer = a
                 s.lb = self._lb_bucket[a]
+            if self._n_timing:
+                t = self._timing_key(a, s.prev_gap)
+                if s.item is not None:
+                    s.item.timing = t
+                cls = self._n_base + cls * self._n_timing + t  # its timed row of the tables
             self._place(s, cls)
         if self._shadows:
             self._shadows[self.name].policy.on_request_finished(chain, answer_tokens, now)

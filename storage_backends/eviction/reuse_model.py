@@ -28,7 +28,7 @@ logger = logging.getLogger("kvtier.storage_backends.eviction.reuse_model")
 class Item:
     """One wait for a reuse."""
 
-    __slots__ = ("start", "cls", "alive", "answer", "weight")
+    __slots__ = ("start", "cls", "alive", "answer", "weight", "timing")
 
     def __init__(self, start: float, cls: int, weight: float = 1.0) -> None:
         self.start = start
@@ -36,6 +36,7 @@ class Item:
         self.weight = weight  #: how much it counts (chunks: hazards are per chunk, not per session)
         self.alive = True
         self.answer: int | None = None  #: answer-length bucket of the turn it waits after (sessions only)
+        self.timing: int | None = None  #: timing key (answer / previous-gap bucket) for the timing ratios
 
 
 class ReuseModel:
@@ -49,6 +50,7 @@ class ReuseModel:
         count_cap: float = 50_000.0,
         empty_hazard: float = 0.0,
         min_family_risk: float = 5.0,
+        n_timing: int = 0,
     ) -> None:
         self.empty_hazard = empty_hazard  #: hazard assumed where a family has no data at all
         self.min_family_risk = min_family_risk
@@ -61,6 +63,11 @@ class ReuseModel:
         K = len(buckets)
         self.events = [[0.0] * K for _ in range(n_classes)]
         self.at_risk = [[0.0] * K for _ in range(n_classes)]
+        # Per timing key (Item.timing: e.g. answer-length x previous-gap bucket), pooled over classes: *when*
+        # items with that key return, relative to all keyed items (`timing_ratios`).
+        self.n_timing = n_timing
+        self.timing_events = [[0.0] * K for _ in range(n_timing)]
+        self.timing_at_risk = [[[0.0] * K for _ in range(n_classes)] for _ in range(n_timing)]  # [key][class][k]
         self._queues: list[deque[Item]] = [deque() for _ in range(K)]
         self.items = 0  #: items still waiting (bounded by max_items)
         self._advanced_to = float("-inf")
@@ -87,6 +94,9 @@ class ReuseModel:
         if b < len(self.buckets):
             self.events[item.cls][b] += item.weight
             self.at_risk[item.cls][b] += item.weight
+            if item.timing is not None:
+                self.timing_events[item.timing][b] += item.weight
+                self.timing_at_risk[item.timing][item.cls][b] += item.weight
 
     def cancel(self, item: Item | None) -> None:
         """Stop tracking without counting anything (the thing was forgotten)."""
@@ -110,6 +120,8 @@ class ReuseModel:
                 if not it.alive:
                     continue
                 self.at_risk[it.cls][k] += it.weight
+                if it.timing is not None:
+                    self.timing_at_risk[it.timing][it.cls][k] += it.weight
                 if nxt is not None:
                     nxt.append(it)
                 else:
@@ -149,6 +161,30 @@ class ReuseModel:
         self._cap_counts()
         return out
 
+    def timing_ratios(self, hazards: list[list[float]], strength: float = 100.0) -> list[list[float]]:
+        """ratio[t][k]: observed returns in bucket k of items with timing key t over the returns their own
+        classes' `hazards` expect there (observed / expected, so a key is not credited for what its items'
+        classes already say); `strength` pseudo-items at risk at the pooled hazard pull sparse keys towards 1."""
+        K = len(self.buckets)
+        n = self.n_timing
+        obs = [[self.timing_events[t][k] for k in range(K)] for t in range(n)]
+        exp = [[sum(ar[k] * hazards[c][k] for c, ar in enumerate(self.timing_at_risk[t]) if ar[k])
+                for k in range(K)] for t in range(n)]
+        risk = [sum(sum(ar[k] for ar in self.timing_at_risk[t]) for t in range(n)) for k in range(K)]
+        out = []
+        for t in range(n):
+            row = []
+            for k in range(K):
+                pooled = sum(obs[u][k] for u in range(n)) / risk[k] if risk[k] > 0 else 0.0
+                m = strength * pooled
+                row.append((obs[t][k] + m) / (exp[t][k] + m) if exp[t][k] + m > 0 else 1.0)
+            out.append(row)
+        for t in range(n):
+            if sum(sum(ar) for ar in self.timing_at_risk[t]) > self.count_cap:
+                self.timing_events[t] = [x / 2 for x in self.timing_events[t]]
+                self.timing_at_risk[t] = [[x / 2 for x in ar] for ar in self.timing_at_risk[t]]
+        return out
+
     def _cap_counts(self) -> None:
         """Halve a class's counters when they grow large: bounded numbers and a slow drift towards recent data."""
         for c in range(self.n_classes):
@@ -156,11 +192,12 @@ class ReuseModel:
                 self.events[c] = [x / 2 for x in self.events[c]]
                 self.at_risk[c] = [x / 2 for x in self.at_risk[c]]
 
-    def potential_table(self, hit_prob: list[float]) -> list[list[float]]:
-        """table[c][e]: hit potential of a class-c item that has waited into bucket e (e = K: beyond horizon)."""
+    def potential_table(self, hit_prob: list[float], rows: list[list[float]] | None = None) -> list[list[float]]:
+        """table[c][e]: hit potential of a class-c item that has waited into bucket e (e = K: beyond horizon).
+        `rows`: hazard rows to use instead of `hazards()` (e.g. with timing-reshaped rows appended)."""
         K = len(self.buckets)
         table = []
-        for row in self.hazards():
+        for row in (rows if rows is not None else self.hazards()):
             pot = [0.0] * (K + 1)
             acc = 0.0
             for k in range(K - 1, -1, -1):
@@ -173,21 +210,22 @@ class ReuseModel:
         return self.density_tables(hit_prob)[0]
 
     def density_tables(
-        self, hit_prob: list[float], stay_prob: list[float] | None = None
+        self, hit_prob: list[float], stay_prob: list[float] | None = None, rows: list[list[float]] | None = None
     ) -> tuple[list[list[float]], list[list[float]]]:
         """(density, occupancy) tables; occupancy[c][e] = expected chunk-seconds still held from bucket e on.
 
         table[c][e]: hit *density* (LHD-style) of a class-c item that has waited into bucket e: expected hits
         divided by expected chunk-seconds it will still occupy the tier. `hit_prob[b]` doubles as the chance
         the chunk is still cached in bucket b, so occupancy stops where the ghost says the optimum lets go;
-        `stay_prob[b]`, when given, replaces it for the occupancy (the tier's own residency curve)."""
+        `stay_prob[b]`, when given, replaces it for the occupancy (the tier's own residency curve); `rows` as
+        in `potential_table`."""
         stay = stay_prob if stay_prob is not None else hit_prob
         K = len(self.buckets)
         widths = [self.buckets.edges[k] - self.buckets.lower(k) for k in range(K)]
         table = []
         occs = []
         memo: dict[int, tuple[list[float], list[float]]] = {}
-        for row in self.hazards():
+        for row in (rows if rows is not None else self.hazards()):
             if id(row) in memo:  # classes without data share their family's row
                 d, o = memo[id(row)]
                 table.append(d)

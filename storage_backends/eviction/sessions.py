@@ -27,7 +27,7 @@ class Session:
 
     __slots__ = (
         "sid", "depth", "chain_len", "first_key", "tail_keys", "last_time", "answer_tokens", "item", "keys",
-        "cls", "new_blocks", "lb", "g", "__weakref__",
+        "cls", "new_blocks", "lb", "g", "prev_gap", "__weakref__",
     )
 
     def __init__(self, sid: int, now: float) -> None:
@@ -44,6 +44,7 @@ class Session:
         self.g = None  #: the eviction group it is filed under (set by the policy)
         self.lb = 0  #: reuse-time bucket the next turn cannot come before (answer-length lower bound)
         self.new_blocks = 0  #: keys the latest turn added to the chain (the user's new input, roughly)
+        self.prev_gap: float | None = None  #: seconds between the two latest turns (None after a first turn)
 
     def __repr__(self) -> str:
         return f"Session(sid={self.sid}, depth={self.depth}, keys={len(self.keys)}, answer={self.answer_tokens})"
@@ -87,6 +88,7 @@ class SessionTracker:
                 del self._by_tail[k]
         s.depth += 1
         s.new_blocks = len(chain) - max(0, s.chain_len - 1) if parent is not None else len(chain)
+        s.prev_gap = now - s.last_time if parent is not None else None
         s.chain_len = len(chain)
         s.first_key = chain[0] if chain else None
         s.last_time = now
