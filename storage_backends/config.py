@@ -76,8 +76,9 @@ KEYS: tuple[KeySpec, ...] = (
             "capacity up front.", minimum=1),
     KeySpec("io_block_mb", "int", "Chunks are read and written as independent requests of this size, spread over "
             "the I/O threads.", minimum=1),
-    KeySpec("max_inflight_write_mb", "int", "Host memory that queued SSD writes may hold; stores beyond it wait "
-            "(back-pressure) before being dropped and counted.", minimum=1),
+    KeySpec("max_inflight_write_mb", "int", "Host memory that queued SSD writes may hold (in the LMCache plugin "
+            "at most half of max_local_cpu_size, so LMCache never runs out of room for a store); stores beyond it "
+            "wait (back-pressure) before being dropped and counted.", minimum=1),
     KeySpec("backpressure_timeout_s", "float", "How long a store waits for queued writes to drain before its "
             "chunk is dropped from the SSD tier (counted in kvtier_ssd_dropped_puts_total).", minimum=0.0),
     KeySpec("pin_timeout_s", "float", "A pin (taken by a lookup) that nobody releases expires after this long, "

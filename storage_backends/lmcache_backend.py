@@ -68,6 +68,16 @@ def expected_layout(metadata: Any, chunk_format: str, page_tokens: int = 16) -> 
     return ok
 
 
+def _inflight_cap(config) -> int | None:
+    """Half of LMCache's host pool. Queued writes hold their chunks in that pool (a reference each); were they
+    allowed to fill it, LMCache could not allocate the next store's chunks and would skip that store without a
+    word, before kvtier ever sees it. Capped here, the store that would overfill waits (back-pressure) instead."""
+    gb = getattr(config, "max_local_cpu_size", None)
+    if not gb or gb <= 0:
+        return None
+    return int(gb * (1 << 30)) // 2
+
+
 class KVTierBackend(StoragePluginInterface):
     def __init__(self, config=None, dst_device: str = "cpu", metadata=None, local_cpu_backend=None, loop=None):
         super().__init__(dst_device=dst_device, config=config, metadata=metadata,
@@ -92,6 +102,7 @@ class KVTierBackend(StoragePluginInterface):
             chunk_bytes_of(metadata),
             layout_ok=expected_layout(metadata, self.kvtier_config.chunk_format, self.kvtier_config.page_tokens),
             subdir=f"worker{metadata.worker_id}-of-{metadata.world_size}",
+            max_inflight_bytes=_inflight_cap(config),
         )
         logger.info("kvtier SSD tier ready for %s (dst_device=%s)", metadata.model_name, dst_device)
 

@@ -118,8 +118,12 @@ class DirectoryInUse(RuntimeError):
 class SSDTier:
     def __init__(self, config: KVTierConfig, chunk_bytes: int,
                  layout_ok: Callable[[ChunkMeta], bool] | None = None,
-                 policy: EvictionPolicy | None = None, subdir: str = "") -> None:
+                 policy: EvictionPolicy | None = None, subdir: str = "",
+                 max_inflight_bytes: int | None = None) -> None:
         self.config = config
+        #: bytes queued writes may hold before stores wait: the config's cap, or less where the caller's memory
+        #: pool is smaller (the LMCache plugin passes half its host pool)
+        self.max_inflight_bytes = min(config.max_inflight_write_mb << 20, max_inflight_bytes or (1 << 62))
         self.layout_ok = layout_ok or (lambda meta: True)
         self.slot_size = HEADER_SIZE + _align(chunk_bytes)
         self.chunk_bytes = chunk_bytes
@@ -339,7 +343,7 @@ class SSDTier:
                            meta.nbytes, self.slot_size - HEADER_SIZE)
             return False
         deadline = time.monotonic() + self.config.backpressure_timeout_s
-        limit = self.config.max_inflight_write_mb << 20
+        limit = self.max_inflight_bytes
         with self._cond:
             if self._closed:
                 return False

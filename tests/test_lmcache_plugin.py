@@ -204,6 +204,32 @@ def test_slow_ssd_applies_backpressure_instead_of_dropping(lmcache_yaml, monkeyp
         destroy_engine(e)
 
 
+def test_default_queue_cap_leaves_lmcache_room_for_the_next_store(lmcache_yaml, monkeypatch):
+    """With the default max_inflight_write_mb (2 GiB, far above this 16-chunk host pool) the queued writes would
+    hold the whole pool and LMCache would skip later stores before the plugin sees them. The plugin caps the
+    queue at half the pool, so every chunk of every store reaches the SSD tier."""
+    import time
+
+    big = ModelShape("kvtier-test/wide", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    per_chunk = big.chunk_bytes(CHUNK)
+    cfg = load_lmcache_config(lmcache_yaml(host_gb=16 * per_chunk / (1 << 30), ssd_capacity_gb=0.05))
+    e = build_engine(cfg, big)
+    try:
+        b = kvtier_backend(e)
+        assert b.tier.max_inflight_bytes == 8 * per_chunk
+        real = b.tier._write_batch
+        monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.05), real(batch)))
+        g = torch.Generator().manual_seed(5)
+        for s in range(6):  # six requests of 8 chunks: three pools' worth while the SSD lags
+            tokens = torch.arange(s * 10_000, s * 10_000 + 8 * CHUNK)
+            kv = torch.randn(2, 2, 8 * CHUNK, big.hidden, generator=g).to(big.dtype)
+            e.store(tokens, kvcaches=kv)
+        assert b.flush(60)
+        assert b.tier.stats.committed == 48, b.tier.stats.as_dict()
+    finally:
+        destroy_engine(e)
+
+
 def test_unknown_key_fails_plugin_construction_loudly_in_check_config(lmcache_yaml):
     from kvtier.storage_backends.check_config import check
     from kvtier.storage_backends.config import ConfigError
