@@ -3,7 +3,7 @@
 Keys are strings (LMCache's `CacheEngineKey.to_string()`); chunk payloads are host buffers (memoryviews). The
 LMCache plugin (`lmcache_backend.py`) is a thin adapter over this class.
 
-Write path (off the caller's thread): `submit_put` queues the chunk (bounded by `max_inflight_write_mb`, with
+Write path (off the caller's thread): `submit_put` queues the chunk (bounded by `max_inflight_bytes`, with
 back-pressure); the writer thread reserves a slot (evicting through the policy if full), writes data segments in
 parallel with one CRC32 each, then the header, `fdatasync`s, appends a COMMIT record to the journal and fsyncs
 it; only then is the chunk in the index (visible to readers). Read path: header and data segments are read in

@@ -171,14 +171,11 @@ class ReuseModel:
         exp = [[sum(ar[k] * hazards[c][k] for c, ar in enumerate(self.timing_at_risk[t]) if ar[k])
                 for k in range(K)] for t in range(n)]
         risk = [sum(sum(ar[k] for ar in self.timing_at_risk[t]) for t in range(n)) for k in range(K)]
+        prior = [strength * (sum(obs[t][k] for t in range(n)) / risk[k]) if risk[k] > 0 else 0.0 for k in range(K)]
         out = []
         for t in range(n):
-            row = []
-            for k in range(K):
-                pooled = sum(obs[u][k] for u in range(n)) / risk[k] if risk[k] > 0 else 0.0
-                m = strength * pooled
-                row.append((obs[t][k] + m) / (exp[t][k] + m) if exp[t][k] + m > 0 else 1.0)
-            out.append(row)
+            out.append([(obs[t][k] + prior[k]) / (exp[t][k] + prior[k]) if exp[t][k] + prior[k] > 0 else 1.0
+                        for k in range(K)])
         for t in range(n):
             if sum(sum(ar) for ar in self.timing_at_risk[t]) > self.count_cap:
                 self.timing_events[t] = [x / 2 for x in self.timing_events[t]]
