@@ -1,8 +1,11 @@
 """SSD-tier benchmark: kvtier's plugin vs LMCache's LocalDiskBackend vs raw reads/writes of the same bytes.
 
-All in one run on the same disk: durable writes (O_DIRECT or fsync'd), cold reads (page cache dropped between
-writing and reading; needs root), GB/s medians over --repeats and ratios against the best raw read and against
-LocalDiskBackend. Plus the index rebuild time of a tier holding 100k committed slots.
+All in one run on the same disk: durable writes (O_DIRECT or fsync'd), cold reads (page cache dropped before every
+timed read; needs root). The work is cut into batches of one LMCache request (8 chunks, 256 MiB); every method
+writes (then reads) batch b before any moves on, in an order rotating per batch, so the disk's drift over seconds
+and minutes hits all methods alike. Reports GB/s per batch (median, p10, p90) and, per target, the median over
+batches of the plugin's GB/s over the baseline's in the same batch. Plus the index rebuild time of a tier
+holding 100k committed slots.
 
     .venv/bin/python benchmarks/ssd_tier.py --dir /path/on/the/ssd [--gib 2] [--chunk-mib 32]
 """
@@ -10,6 +13,7 @@ LocalDiskBackend. Plus the index rebuild time of a tier holding 100k committed s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -18,6 +22,8 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from tqdm import tqdm
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
@@ -46,38 +52,36 @@ def drop_caches() -> bool:
         return False
 
 
-# ------------------------------------------------------------------------------------------------ raw baselines
-def raw_write(path: str, total: int, block: int, streams: int, direct: bool) -> float:
-    fd = open_file(path, o_direct=direct)
-    os.ftruncate(fd, 0)
-    buf = aligned_buffer(block)
-    buf[:] = os.urandom(block)
-    t0 = time.perf_counter()
-    offsets = list(range(0, total, block))
-    with ThreadPoolExecutor(streams) as ex:
-        list(ex.map(lambda off: pwrite_full(fd, buf, off), offsets))
-    if not direct:
-        os.fsync(fd)
-    os.fdatasync(fd)
-    dt = time.perf_counter() - t0
-    os.close(fd)
-    return total / dt / 1e9
+# ------------------------------------------------------------------------------------------------ methods
+class RawFile:
+    """Raw pwrite/pread of the same bytes in 4 MiB requests over `streams` threads (the disk's own limits)."""
+
+    def __init__(self, path: str, total: int, block: int = 4 << 20) -> None:
+        self.path, self.total, self.block = path, total, block
+        self.buf = aligned_buffer(block)
+        self.buf[:] = os.urandom(block)
+        self.bufs = [aligned_buffer(block) for _ in range(8)]
+
+    def write(self, lo: int, hi: int, streams: int, direct: bool) -> None:
+        fd = open_file(self.path, o_direct=direct)
+        try:
+            with ThreadPoolExecutor(streams) as ex:
+                list(ex.map(lambda off: pwrite_full(fd, self.buf, off), range(lo, hi, self.block)))
+            os.fdatasync(fd)  # durable: counted when the data is on disk
+        finally:
+            os.close(fd)
+
+    def read(self, lo: int, hi: int, streams: int, direct: bool) -> None:
+        fd = open_file(self.path, o_direct=direct, create=False)
+        offsets = list(range(lo, hi, self.block))
+        try:
+            with ThreadPoolExecutor(streams) as ex:
+                list(ex.map(lambda i: [pread_full(fd, self.bufs[i], off) for off in offsets[i::streams]],
+                            range(streams)))
+        finally:
+            os.close(fd)
 
 
-def raw_read(path: str, total: int, block: int, streams: int, direct: bool) -> float:
-    drop_caches()
-    fd = open_file(path, o_direct=direct, create=False)
-    bufs = [aligned_buffer(block) for _ in range(streams)]
-    offsets = list(range(0, total, block))
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(streams) as ex:
-        list(ex.map(lambda i: [pread_full(fd, bufs[i], off) for off in offsets[i::streams]], range(streams)))
-    dt = time.perf_counter() - t0
-    os.close(fd)
-    return total / dt / 1e9
-
-
-# ------------------------------------------------------------------------------------------------ LMCache paths
 def engine_yaml(tmp: str, name: str, chunk: int, host_gb: float, body: str) -> str:
     path = os.path.join(tmp, f"{name}.yaml")
     with open(path, "w") as f:
@@ -86,42 +90,44 @@ def engine_yaml(tmp: str, name: str, chunk: int, host_gb: float, body: str) -> s
     return path
 
 
-def lmcache_round(yaml_path: str, shape: ModelShape, chunk: int, n_chunks: int, per_req: int, kv: torch.Tensor,
-                  wait_written, backend_of) -> tuple[float, float]:
-    """Store n_chunks through LMCacheEngine.store until durable, drop caches, then read them back through the
-    backend's `batched_get_blocking` (what LMCache's retrieve calls). Returns (write GB/s, cold read GB/s), each
-    counting only the chunks that reached the backend (LMCache skips a store when its host pool is full)."""
-    engine = build_engine(load_lmcache_config(yaml_path), shape)
-    try:
-        host = engine.storage_manager.storage_backends["LocalCPUBackend"]
-        backend = backend_of(engine)
-        chunk_bytes = shape.chunk_bytes(chunk)
-        reqs = [torch.arange(r * 10_000_000, r * 10_000_000 + per_req * chunk) for r in range(n_chunks // per_req)]
-        t0 = time.perf_counter()
-        for ids in reqs:
-            engine.store(ids, kvcaches=kv)
-        wait_written(engine)
-        wdt = time.perf_counter() - t0
-        keys = [[k for _, _, k in engine.token_database.process_tokens(tokens=ids)] for ids in reqs]
-        stored = sum(backend.contains(k) for ks in keys for k in ks)  # a store LMCache skipped is not a write
-        if stored != n_chunks:
-            print(f"  WARNING: {stored} of {n_chunks} chunks reached the backend", file=sys.stderr)
-        host.clear()
-        drop_caches()
-        got = 0
-        t0 = time.perf_counter()
-        for ks in keys:
-            objs = backend.batched_get_blocking(ks)
-            got += sum(o is not None for o in objs)
-            for o in objs:
-                if o is not None:
-                    o.ref_count_down()
-        rdt = time.perf_counter() - t0
-        if got != stored:
-            print(f"  WARNING: read {got} of {stored} stored chunks", file=sys.stderr)
-        return stored * chunk_bytes / wdt / 1e9, got * chunk_bytes / rdt / 1e9
-    finally:
-        destroy_engine(engine)
+class EngineMethod:
+    """One LMCacheEngine with a disk backend: a batch is one request of `per_req` chunks, stored through
+    `LMCacheEngine.store` until durable, read back through the backend's `batched_get_blocking` (what LMCache's
+    retrieve calls) after the host tier was cleared. Only chunks that reached the backend count (LMCache skips a
+    store when its host pool is full)."""
+
+    def __init__(self, yaml_path: str, shape: ModelShape, chunk: int, wait_written, backend_of) -> None:
+        self.engine = build_engine(load_lmcache_config(yaml_path), shape)
+        self.host = self.engine.storage_manager.storage_backends["LocalCPUBackend"]
+        self.backend = backend_of(self.engine)
+        self.wait_written = wait_written
+        self.chunk_bytes = shape.chunk_bytes(chunk)
+        self.keys: dict[int, list] = {}
+        self.stored = self.got = 0
+
+    def write(self, batch: int, ids: torch.Tensor, kv: torch.Tensor) -> int:
+        self.engine.store(ids, kvcaches=kv)
+        self.wait_written(self.engine)
+        ks = [k for _, _, k in self.engine.token_database.process_tokens(tokens=ids)]
+        self.keys[batch] = ks
+        n = sum(self.backend.contains(k) for k in ks)
+        self.stored += n
+        return n * self.chunk_bytes
+
+    def read(self, batch: int) -> int:
+        objs = self.backend.batched_get_blocking(self.keys[batch])
+        got = sum(o is not None for o in objs)
+        for o in objs:
+            if o is not None:
+                o.ref_count_down()
+        self.got += got
+        return got * self.chunk_bytes
+
+    def clear_host(self) -> None:
+        self.host.clear()
+
+    def close(self) -> None:
+        destroy_engine(self.engine)
 
 
 def wait_kvtier(engine) -> None:
@@ -165,25 +171,110 @@ def rebuild_time(tmp: str, slots: int = 100_000) -> float:
     return dt
 
 
-def paired_ratios(results: dict[str, list[float]]) -> None:
-    """Ratios within each repeat (the methods of one round share the disk's state at that time), then their
-    median: the disk's slow drift cancels, which a ratio of medians does not do."""
-    n = min(len(v) for v in results.values())
-    if "kvtier plugin read" not in results or n == 0:
-        return
-    raw_keys = [k for k in results if k.startswith("raw read")]
-    plug = results["kvtier plugin read"]
-    best = [max(results[k][i] for k in raw_keys) for i in range(n)]
-    print(f"  paired, per repeat: plugin read / best raw read of that repeat = "
-          f"{statistics.median(p / b for p, b in zip(plug, best)):.2f} "
-          f"({', '.join(f'{p / b:.2f}' for p, b in zip(plug, best))})")
-    for base in ("LocalDiskBackend", "LocalDiskBackend O_DIRECT"):
-        if f"{base} read" in results:
-            rs = [p / b for p, b in zip(plug, results[f"{base} read"])]
-            print(f"  paired, per repeat: plugin read / {base} read = {statistics.median(rs):.2f} "
-                  f"({', '.join(f'{r:.2f}' for r in rs)})")
-    print(f"  disk ceiling seen (fastest read of any method, any repeat) = "
-          f"{max(max(v) for k, v in results.items() if k.endswith('read') or 'read ' in k):.2f} GB/s")
+PLUGIN = "kvtier plugin"
+BASELINES = ("LocalDiskBackend", "LocalDiskBackend O_DIRECT")
+
+
+def timed(fn) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds of this process's threads, bytes moved)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    n = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, n
+
+
+def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches: int, per_req: int,
+               kv: torch.Tensor, host_gb: float, rows: dict[str, list[float]],
+               cpu_rows: dict[str, list[float]]) -> None:
+    """Every method writes, then reads, batch b before any method moves on to batch b+1, in an order that
+    rotates per batch; each batch is timed alone and its GB/s recorded. The disk's drift (seconds to minutes)
+    then hits all methods alike instead of whichever ran during a slow minute."""
+    batch_bytes = per_req * shape.chunk_bytes(chunk)
+    cap = args.gib * 1.2 + 0.1
+    engines = {
+        PLUGIN: ('storage_plugins: ["kvtier"]\nextra_config:\n'
+                 "  storage_plugin.kvtier.module_path: kvtier.storage_backends\n"
+                 "  storage_plugin.kvtier.class_name: KVTierBackend\n"
+                 f"  kvtier.ssd_path: {tmp}/kvtier-{r}\n  kvtier.ssd_capacity_gb: {cap}\n"
+                 f"  kvtier.io_threads: {args.io_threads}\n"
+                 + "".join(f"  kvtier.{p.partition('=')[0]}: {p.partition('=')[2]}\n" for p in args.kvtier),
+                 wait_kvtier, kvtier_backend),
+        BASELINES[0]: (f"local_disk: file://{tmp}/ld-{r}/\nmax_local_disk_size: {cap}\n", wait_local_disk, local_disk),
+        BASELINES[1]: (f"local_disk: file://{tmp}/ldo-{r}/\nmax_local_disk_size: {cap}\n"
+                       "extra_config:\n  use_odirect: true\n", wait_local_disk, local_disk),
+    }
+    methods: dict[str, EngineMethod] = {}
+    raw = RawFile(os.path.join(tmp, f"raw-{r}.dat"), n_batches * batch_bytes)
+    raw_b = RawFile(os.path.join(tmp, f"rawb-{r}.dat"), n_batches * batch_bytes)
+    try:
+        for name, (body, wait, backend_of) in engines.items():
+            methods[name] = EngineMethod(engine_yaml(tmp, f"{name}-{r}".replace(" ", "_"), chunk, host_gb, body),
+                                         shape, chunk, wait, backend_of)
+
+        def rec(name: str, dt: float, cpu: float, nbytes: int) -> None:
+            rows.setdefault(name, []).append(nbytes / dt / 1e9 if nbytes else float("nan"))
+            cpu_rows.setdefault(name, []).append(cpu / (nbytes / 1e9) if nbytes else float("nan"))
+
+        writes = [("raw write O_DIRECT x1", lambda b, lo, hi: raw.write(lo, hi, 1, True) or hi - lo),
+                  ("raw write O_DIRECT x4", lambda b, lo, hi: raw.write(lo, hi, 4, True) or hi - lo),
+                  ("raw write buffered+fsync x4", lambda b, lo, hi: raw_b.write(lo, hi, 4, False) or hi - lo)]
+        for name, m in methods.items():
+            writes.append((f"{name} write", lambda b, lo, hi, m=m: m.write(
+                b, torch.arange(b * 10_000_000, b * 10_000_000 + per_req * chunk), kv)))
+        reads = [(f"raw read {'O_DIRECT' if d else 'buffered'} x{s}",
+                  lambda b, lo, hi, s=s, d=d: raw.read(lo, hi, s, d) or hi - lo)
+                 for s in (1, 4) for d in (True, False)]
+        reads += [(f"{name} read", lambda b, lo, hi, m=m: m.read(b)) for name, m in methods.items()]
+
+        for phase, todo in (("write", writes), ("read", reads)):
+            if phase == "read":
+                for m in methods.values():
+                    m.clear_host()
+            for b in tqdm(range(n_batches), desc=f"repeat {r + 1}/{args.repeats}: {phase}", leave=False):
+                lo, hi = b * batch_bytes, (b + 1) * batch_bytes
+                k = b % len(todo)
+                for name, fn in todo[k:] + todo[:k]:
+                    if phase == "read":
+                        drop_caches()
+                    rec(name, *timed(lambda: fn(b, lo, hi)))
+        for name, m in methods.items():
+            if m.stored != n_batches * per_req or m.got != m.stored:
+                print(f"  WARNING: {name}: {m.stored} of {n_batches * per_req} chunks reached the backend, "
+                      f"{m.got} read back", file=sys.stderr)
+    finally:
+        for m in methods.values():
+            m.close()
+        for f in (raw.path, raw_b.path):
+            if os.path.exists(f):
+                os.unlink(f)
+        for d in os.listdir(tmp):
+            if d.startswith(("kvtier-", "ld-", "ldo-")):
+                shutil.rmtree(os.path.join(tmp, d), ignore_errors=True)
+
+
+def paired(rows: dict[str, list[float]], num: str, dens: list[str]) -> tuple[float, list[float]]:
+    """Median over batches of num / max(dens) of the same batch (measured seconds apart)."""
+    rs = [a / max(row) for a, *row in zip(rows[num], *(rows[d] for d in dens))]
+    return statistics.median(rs), rs
+
+
+def geometry(args) -> tuple[int, int, int, float]:
+    """(tokens per chunk, chunks per batch, batches, LMCache host pool GB: three batches)."""
+    chunk = args.chunk_mib * (1 << 20) // LLAMA3_8B.chunk_bytes(1)
+    n_chunks = int(args.gib * 1024 // args.chunk_mib)
+    per_req = min(8, n_chunks)
+    return chunk, per_req, n_chunks // per_req, per_req * LLAMA3_8B.chunk_bytes(chunk) * 3 / (1 << 30)
+
+
+def child_repeat(args) -> int:
+    shape = LLAMA3_8B
+    chunk, per_req, n_batches, host_gb = geometry(args)
+    kv = torch.randn(2, shape.num_layers, per_req * chunk, shape.hidden).to(shape.dtype)
+    rows: dict[str, list[float]] = {}
+    cpu_rows: dict[str, list[float]] = {}
+    one_repeat(args.one_repeat, args.dir, args, shape, chunk, n_batches, per_req, kv, host_gb, rows, cpu_rows)
+    with open(args.out, "w") as f:
+        json.dump({"rows": rows, "cpu": cpu_rows}, f)
+    return 0
 
 
 def main() -> int:
@@ -193,75 +284,59 @@ def main() -> int:
     ap.add_argument("--chunk-mib", type=int, default=32, help="chunk size (Llama-3-8B, 256 tokens = 32 MiB)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--one-repeat", type=int, default=None, help=argparse.SUPPRESS)  # child process of a repeat
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--kvtier", action="append", default=[], metavar="KEY=VALUE",
+                    help="another kvtier.* key for the plugin, e.g. --kvtier io_block_mb=8 (repeatable)")
     args = ap.parse_args()
+    if args.one_repeat is not None:
+        return child_repeat(args)
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir)
     if not drop_caches():
         print("note: cannot drop the page cache (not root): reads are not cold", file=sys.stderr)
-    shape = LLAMA3_8B
-    chunk = args.chunk_mib * (1 << 20) // (shape.chunk_bytes(1))
-    n_chunks = int(args.gib * 1024 // args.chunk_mib)
-    per_req = min(8, n_chunks)
-    n_chunks = n_chunks // per_req * per_req
-    total = n_chunks * shape.chunk_bytes(chunk)
-    host_gb = per_req * shape.chunk_bytes(chunk) * 3 / (1 << 30)
-    kv = torch.randn(2, shape.num_layers, per_req * chunk, shape.hidden).to(shape.dtype)
-    print(f"{n_chunks} chunks of {args.chunk_mib} MiB ({chunk} tokens of Llama-3-8B KV), {total / 1e9:.2f} GB per "
-          f"method, {args.repeats} repeats, in {tmp}")
+    chunk, per_req, n_batches, _ = geometry(args)
+    total = n_batches * per_req * LLAMA3_8B.chunk_bytes(chunk)
+    print(f"{n_batches * per_req} chunks of {args.chunk_mib} MiB ({chunk} tokens of Llama-3-8B KV), {total / 1e9:.2f} "
+          f"GB per method, {args.repeats} repeats of {n_batches} interleaved batches of {per_req} chunks, in {tmp}")
 
-    results: dict[str, list[float]] = {}
-
-    def rec(name: str, v: float) -> None:
-        results.setdefault(name, []).append(v)
-
-    raw = os.path.join(tmp, "raw.dat")
+    rows: dict[str, list[float]] = {}
+    cpu_rows: dict[str, list[float]] = {}
     for r in range(args.repeats):
-        for streams in (1, 4):
-            rec(f"raw write O_DIRECT x{streams}", raw_write(raw, total, 4 << 20, streams, True))
-            rec(f"raw read O_DIRECT x{streams}", raw_read(raw, total, 4 << 20, streams, True))
-            rec(f"raw read buffered x{streams}", raw_read(raw, total, 4 << 20, streams, False))
-        rec("raw write buffered+fsync x4", raw_write(raw, total, 4 << 20, 4, False))
-        os.unlink(raw)
-        for name, body, wait, backend_of in (
-            ("kvtier plugin", 'storage_plugins: ["kvtier"]\nextra_config:\n'
-             "  storage_plugin.kvtier.module_path: kvtier.storage_backends\n"
-             "  storage_plugin.kvtier.class_name: KVTierBackend\n"
-             f"  kvtier.ssd_path: {tmp}/kvtier-{r}\n  kvtier.ssd_capacity_gb: {args.gib * 1.2 + 0.1}\n"
-             f"  kvtier.io_threads: {args.io_threads}\n", wait_kvtier, kvtier_backend),
-            ("LocalDiskBackend", f"local_disk: file://{tmp}/ld-{r}/\nmax_local_disk_size: {args.gib * 1.2 + 0.1}\n",
-             wait_local_disk, local_disk),
-            ("LocalDiskBackend O_DIRECT", f"local_disk: file://{tmp}/ldo-{r}/\n"
-             f"max_local_disk_size: {args.gib * 1.2 + 0.1}\nextra_config:\n  use_odirect: true\n", wait_local_disk,
-             local_disk),
-        ):
-            try:
-                w, rd = lmcache_round(engine_yaml(tmp, f"{name}-{r}".replace(" ", "_"), chunk, host_gb, body), shape,
-                                      chunk, n_chunks, per_req, kv, wait, backend_of)
-                rec(f"{name} write", w)
-                rec(f"{name} read", rd)
-            except Exception as e:  # report, keep measuring the others
-                print(f"  {name}: failed ({e})", file=sys.stderr)
-        for d in os.listdir(tmp):
-            if d.startswith(("kvtier-", "ld-", "ldo-")):
-                shutil.rmtree(os.path.join(tmp, d), ignore_errors=True)
+        # Each repeat in a fresh process: engines created after others were destroyed in the same process read
+        # up to 1.5x slower for reasons outside kvtier, and whichever engine came first paid for it.
+        out = os.path.join(tmp, f"repeat-{r}.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--one-repeat", str(r), "--dir", tmp,
+                        "--out", out], check=True)
+        with open(out) as f:
+            got = json.load(f)
+        for name, v in got["rows"].items():
+            rows.setdefault(name, []).extend(v)
+            cpu_rows.setdefault(name, []).extend(got["cpu"][name])
 
-    med = {k: statistics.median(v) for k, v in results.items()}
-    print(f"\n{'method':<32}{'median GB/s':>12}   all")
-    for k, v in med.items():
-        print(f"{k:<32}{v:>12.2f}   {', '.join(f'{x:.2f}' for x in results[k])}")
-    best_raw_read = max(v for k, v in med.items() if k.startswith("raw read"))
-    print("\nratios (medians):")
-    paired_ratios(results)
-    if "kvtier plugin read" in med:
-        print(f"  plugin cold read / best raw read        = {med['kvtier plugin read'] / best_raw_read:.2f}  "
-              "(target >= 0.9)")
-        for base in ("LocalDiskBackend", "LocalDiskBackend O_DIRECT"):
-            if f"{base} read" in med:
-                print(f"  plugin cold read / {base + ' read':<26}= {med['kvtier plugin read'] / med[base + ' read']:.2f}"
-                      "  (target >= 1.2)")
-                print(f"  plugin durable write / {base + ' write':<22}= "
-                      f"{med['kvtier plugin write'] / med[base + ' write']:.2f}  (target >= 1.5)")
+    print(f"\n{'method (GB/s per batch)':<32}{'median':>8}{'p10':>7}{'p90':>7}{'CPU s/GB':>10}")
+    for k, v in rows.items():
+        q = statistics.quantiles(v, n=10) if len(v) > 1 else v * 9
+        print(f"{k:<32}{statistics.median(v):>8.2f}{q[0]:>7.2f}{q[-1]:>7.2f}{statistics.median(cpu_rows[k]):>10.2f}")
+    raw_reads = [k for k in rows if k.startswith("raw read")]
+    print("\nratios: median over batches of (method / baseline of the same batch), then target")
+    targets = [(f"{PLUGIN} read", raw_reads, "best raw read", 0.9)]
+    targets += [(f"{PLUGIN} read", [f"{b} read"], f"{b} read", 1.2) for b in BASELINES]
+    targets += [(f"{PLUGIN} write", [f"{b} write"], f"{b} write", 1.5) for b in BASELINES]
+    targets += [(f"{PLUGIN} write", ["raw write O_DIRECT x1", "raw write O_DIRECT x4"], "best raw O_DIRECT write",
+                 None)]
+    for num, dens, label, target in targets:
+        med, _ = paired(rows, num, dens)
+        goal = f"(target >= {target})" if target else ""
+        verdict = "" if target is None else ("PASS" if med >= target else "miss")
+        print(f"  {num.split()[-1]} / {label:<28}= {med:5.2f}  {goal} {verdict}")
+    for base in BASELINES:
+        best, _ = paired({"best raw": [max(row) for row in zip(*(rows[k] for k in raw_reads))], **rows}, "best raw",
+                         [f"{base} read"])
+        print(f"  ceiling: best raw read / {base} read = {best:.2f} (the most any reader here shows against it)")
+    ceiling = max(max(v) for k, v in rows.items() if " read" in k)
+    print(f"  fastest batch read of any method = {ceiling:.2f} GB/s (the disk's ceiling seen)")
     rb = rebuild_time(tmp)
-    print(f"  index rebuild, 100k committed slots      = {rb:.2f} s  (target < 2 s)")
+    print(f"  index rebuild, 100k committed slots      = {rb:.2f} s  (target < 2 s) {'PASS' if rb < 2 else 'miss'}")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

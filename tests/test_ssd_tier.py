@@ -118,6 +118,30 @@ def test_flipped_byte_is_a_miss_and_frees_the_slot(tier):
     assert put(tier, "k", payload(8)) and np.array_equal(get(tier, "k"), payload(8))
 
 
+def test_slots_written_with_zlib_crc_still_verify(tier_config, monkeypatch):
+    """The data checksum is ISA-L's CRC-32, the same value as zlib's: caches written before the switch (or by
+    a build using zlib) read back bit-exact, and a different CRC would be caught here as a miss."""
+    import zlib
+
+    from kvtier.storage_backends import ssd_tier
+    from kvtier.storage_backends.slot_format import checksum
+
+    for n in (1, 4095, 4096, CHUNK, 1 << 20):
+        buf = memoryview(payload(n))
+        assert checksum(buf) == zlib.crc32(buf) and checksum(buf[3:]) == zlib.crc32(buf[3:])
+    cfg = tier_config(io_block_mb=1)
+    with monkeypatch.context() as m:
+        m.setattr(ssd_tier, "checksum", zlib.crc32)
+        t = SSDTier(cfg, CHUNK)
+        assert put(t, "old", payload(11))
+        t.close()
+    t = SSDTier(cfg, CHUNK)
+    try:
+        assert np.array_equal(get(t, "old"), payload(11)) and t.stats.corrupt == 0
+    finally:
+        t.close()
+
+
 def test_truncated_slot_is_a_miss(tier):
     assert put(tier, "k", payload(3))
     path, base = _slot_data_offset(tier, "k")
