@@ -171,7 +171,27 @@ def runs(tmp_path_factory):
         sched = None
     out["run2"] = run_engine(work, "run2", dict(base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched))
     out["run2_scheduler"] = sched
+    out["flipped"] = flip_a_byte_in_every_slot(ssd)
+    out["run3"] = run_engine(work, "run3", dict(base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched))
     return out
+
+
+def flip_a_byte_in_every_slot(ssd: Path) -> int:
+    """Flip one data byte in every committed slot the SSD tier holds (header intact: only the CRC can tell)."""
+    n = 0
+    for f in ssd.rglob("slots-*.dat"):
+        slot = int(f.name.split("-")[1].rstrip("k")) * 1024
+        with open(f, "r+b") as fh:
+            for base in range(0, f.stat().st_size - slot + 1, slot):
+                fh.seek(base)
+                if fh.read(8) != b"KVTSLOT1":
+                    continue
+                fh.seek(base + 4096 + 1000)
+                b = fh.read(1)
+                fh.seek(base + 4096 + 1000)
+                fh.write(bytes([b[0] ^ 0x40]))
+                n += 1
+    return n
 
 
 def _compare(base: dict, got: dict) -> float:
@@ -231,6 +251,20 @@ def test_new_engine_process_serves_previous_process_chunks(runs):
     assert r2["storage"]["ssd"]["hits"] >= 8
     if runs["run2_scheduler"]:
         assert r2["policy"] == "DualQueuePolicy"
+
+
+def test_corrupt_ssd_chunks_are_recomputed_never_served(runs):
+    """A third engine process over an SSD tier whose every chunk has one flipped byte: each load of those
+    chunks fails its CRC, is counted, and the tokens are recomputed; outputs still equal the baseline's."""
+    r3 = runs["run3"]
+    assert runs["flipped"] >= 8
+    _compare(runs["baseline"], r3)
+    assert r3["storage"]["ssd"]["corrupt"] >= 4, r3["storage"]
+    # turn 1 of each conversation finds only corrupt chunks: nothing of it is loaded, it is all recomputed
+    assert [a[1] for a in r3["admitted"][:4]] == [0, 0, 0, 0], r3["admitted"]
+    # later turns find history run 3 stored itself, so kvtier still serves those
+    assert r3["metrics"].get("kvtier_connector_hit_tokens_total/tier=ssd", 0) + \
+        r3["metrics"].get("kvtier_connector_hit_tokens_total/tier=host", 0) > 0
 
 
 def test_answer_length_feedback_reaches_storage(runs):
