@@ -8,6 +8,9 @@
   without GPU blocks; others run), then the host-resident prefix (chunk-aligned) beyond vLLM's own cache hit.
 - `build_connector_meta` turns admitted loads, newly completed chunks and finished requests (answer length and
   token chain) into the step's `KVTierConnectorMetadata`.
+- Hints count `inflight_tokens`: an admitted request's prompt chunks are *computing* until it saves them; a
+  waiting request whose prefix continues into them sees them in flight (kvtier's dual-queue policy defers it
+  rather than recomputing them: while the policy `holds` it, `get_num_new_matched_tokens` answers "not yet").
 """
 
 from __future__ import annotations
@@ -50,6 +53,18 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     computed: int = 0
     saved_upto: int = 0
+    chunk_keys: list[int] | None = None  # one key per full prompt chunk, naming the prefix up to its end
+
+
+def prefix_chunk_keys(tokens: Any, chunk: int) -> list[int]:
+    """A key per full chunk of `tokens`, naming the whole prefix up to that chunk's end (chained hashes): two
+    prompts share key i exactly when (up to hash collisions, harmless in a scheduling hint) they share their
+    first (i + 1) * chunk tokens."""
+    keys, h = [], 0
+    for i in range(len(tokens) // chunk):
+        h = hash((h, tuple(tokens[i * chunk:(i + 1) * chunk])))
+        keys.append(h)
+    return keys
 
 
 class SchedulerSide:
@@ -66,13 +81,16 @@ class SchedulerSide:
         self.client = RPCClient([endpoint(engine_id, r) for r in range(world)], cfg.options.rpc_timeout_s)
         self.reqs: dict[str, _Req] = {}
         self.hints: dict[str, TierHint] = {}
+        #: prompt chunks that admitted requests are computing right now (not yet saved): chunk key -> request
+        self.computing: dict[int, str] = {}
         self.hrrn = DiskHRRNQueue()
         self.policy: Any = None
         self.inflight: dict[str, float] = {}
         self.finished: list[FinishedSpec] = []
         #: recent admissions (first prompt tokens, tokens loaded, of which from SSD), oldest first
         self.admitted: collections.deque[tuple[list[int], int, int]] = collections.deque(maxlen=4096)
-        self.counters = {"lookups": 0, "rpc_errors": 0, "prefetches": 0, "prefetch_failures": 0, "none_answers": 0}
+        self.counters = {"lookups": 0, "rpc_errors": 0, "prefetches": 0, "prefetch_failures": 0, "none_answers": 0,
+                         "delay_hit_waits": 0}
 
     # ------------------------------------------------------------------ hints
     def set_scheduling_policy(self, policy: Any) -> None:
@@ -85,7 +103,45 @@ class SchedulerSide:
                 self.policy.update(self._publish(st))
 
     def tier_hint(self, request_id: str) -> TierHint | None:
-        return self.hints.get(request_id)
+        """The request's latest hint, with `inflight_tokens` counted now: prompt tokens past its resident
+        prefix that another admitted request is computing at this moment (Strata's delay hit: they land in the
+        host tier once that request saves them, so waiting beats recomputing them)."""
+        hint = self.hints.get(request_id)
+        st = self.reqs.get(request_id)
+        if hint is None or st is None:
+            return hint
+        n = self._inflight_tokens(st, hint.gpu_tokens + hint.host_tokens + hint.ssd_tokens)
+        return hint if n == hint.inflight_tokens else replace(hint, inflight_tokens=n)
+
+    def _keys(self, st: _Req) -> list[int]:
+        if st.chunk_keys is None:
+            st.chunk_keys = prefix_chunk_keys(st.request.prompt_token_ids, self.chunk)
+        return st.chunk_keys
+
+    def _inflight_tokens(self, st: _Req, resident: int) -> int:
+        if not self.computing:
+            return 0
+        keys, rid, n = self._keys(st), st.request.request_id, 0
+        for key in keys[-(-resident // self.chunk):]:
+            owner = self.computing.get(key)
+            if owner is None or owner == rid:
+                break
+            n += self.chunk
+        return n
+
+    def _computing_from(self, st: _Req, start: int) -> None:
+        """`st` (admitted) computes its prompt chunks from token `start` on: other requests sharing them wait."""
+        rid = st.request.request_id
+        for key in self._keys(st)[start // self.chunk:]:
+            self.computing.setdefault(key, rid)
+
+    def _computed_upto(self, st: _Req, end: int | None = None) -> None:
+        """`st`'s prompt chunks below token `end` (all of them if None) are saved or abandoned."""
+        rid = st.request.request_id
+        keys = self._keys(st)
+        for key in keys[:len(keys) if end is None else end // self.chunk]:
+            if self.computing.get(key) == rid:
+                del self.computing[key]
 
     def _publish(self, st: _Req) -> TierHint:
         res = st.lookup
@@ -212,6 +268,10 @@ class SchedulerSide:
             self.counters["none_answers"] += 1
             self._publish(st)
             return None, False
+        holds = getattr(self.policy, "holds", None)
+        if num_computed_tokens == 0 and holds is not None and holds(rid, time.time()):
+            self.counters["delay_hit_waits"] += 1  # its prefix is being computed by another request: wait
+            return None, False
         tokens = list(request.all_token_ids)
         res = st.lookup = self._lookup(st, tokens, pin=True)
         if res.ssd_tokens and st.prefetch == "none" and res.hit_end > max(num_computed_tokens, res.host_end):
@@ -265,6 +325,7 @@ class SchedulerSide:
         M.HIT_TOKENS.labels("miss").inc(max(0, request.num_tokens - st.gpu_tokens - num_external_tokens))
         M.QUERY_TOKENS.inc(request.num_tokens)
         st.pending_load = None
+        self._computing_from(st, max(st.saved_upto, st.gpu_tokens + num_external_tokens))
 
     def build_connector_meta(self, so: Any) -> KVTierConnectorMetadata:
         self.pump()
@@ -303,12 +364,15 @@ class SchedulerSide:
             if save_end > st.saved_upto:
                 md.saves.append(SaveSpec(rid, list(toks[:save_end]), list(st.block_ids), st.saved_upto))
                 st.saved_upto = save_end
+                self._computed_upto(st, save_end)
         md.finished, self.finished = self.finished, []
         return md
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self.reqs.pop(rid, None)
+        st = self.reqs.pop(rid, None)
+        if st is not None:
+            self._computed_upto(st)
         self.hints.pop(rid, None)
         self.hrrn.remove(rid)
         self.inflight.pop(rid, None)

@@ -100,6 +100,7 @@ class SchedulingPolicy(Protocol):
     def next_prefetch(self, now: float) -> str | None: ...
     def prefetch_done(self, request_id: str, now: float | None = None) -> None: ...
     def pick(self, now: float, free_gpu: int | None = None) -> str | None: ...
+    def holds(self, request_id: str, now: float) -> bool: ...
     def order(self, now: float, free_gpu: int | None = None) -> list[str]: ...
     def dispatched(self, request_id: str, now: float) -> None: ...
     def hint(self, request_id: str) -> TierHint: ...
@@ -179,6 +180,19 @@ class DualQueuePolicy:
 
     def deferred_ids(self) -> list[str]:
         return [rid for _, _, rid in self._ready if self._deferred(self._reqs[rid])]
+
+    def holds(self, request_id: str, now: float) -> bool:
+        """Whether a waiting request must not be admitted now for a delay hit: its in-flight prefix is still
+        being computed by another request, and it is not starving. A scheduler that walks its waiting queue
+        on its own (vLLM) asks this through the connector, which answers "not yet" for it."""
+        w = self._reqs.get(request_id)
+        if w is None or w.where != "ready" or not self._deferred(w):
+            return False
+        if self._starving(w, now, self.starvation_threshold()):
+            self.stats["starvation_overrides"] += 1
+            return False
+        self.stats["deferred_delay_hit"] += 1
+        return True
 
     def _deferred(self, w: _Waiting) -> bool:
         return self.config.delay_hit and w.hint.inflight_tokens >= self.config.delay_hit_threshold_tokens
@@ -450,6 +464,9 @@ class FCFSPolicy:
             inflight_tokens=w.hint.inflight_tokens,
         )
         self.update(h)
+
+    def holds(self, request_id: str, now: float) -> bool:
+        return False  # no delay-hit avoidance in the baseline
 
     def pick(self, now: float, free_gpu: int | None = None) -> str | None:
         if not self._queue:

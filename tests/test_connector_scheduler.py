@@ -34,6 +34,7 @@ class FakeStorage:
         self.polls_needed = polls_needed
         self.calls: list[dict] = []
         self.prefetched: dict[str, int] = {}
+        self.host_end: dict[int, int] = {}  # first token -> host-resident prefix length (set by a test)
         self.lock = threading.Lock()
 
     def handle(self, req: dict) -> dict:
@@ -49,7 +50,8 @@ class FakeStorage:
                         return {"host_end": 64, "hit_end": 64, "ssd_tokens": 0, "ssd_bytes": 0,
                                 "chunk_size": CHUNK}
                     return {"host_end": 0, "hit_end": 64, "ssd_tokens": 64, "ssd_bytes": 65536, "chunk_size": CHUNK}
-                return {"host_end": 0, "hit_end": 0, "ssd_tokens": 0, "ssd_bytes": 0, "chunk_size": CHUNK}
+                h = self.host_end.get(first, 0)
+                return {"host_end": h, "hit_end": h, "ssd_tokens": 0, "ssd_bytes": 0, "chunk_size": CHUNK}
             if op == "prefetch":
                 self.prefetched[req["rid"]] = 0
                 return {"ok": True}
@@ -66,6 +68,10 @@ class FakeStorage:
 
 @pytest.fixture
 def scheduler(tmp_path, lmcache_yaml):
+    yield from _scheduler(tmp_path, lmcache_yaml, None)
+
+
+def _scheduler(tmp_path, lmcache_yaml, cls):
     import torch
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -99,7 +105,7 @@ def scheduler(tmp_path, lmcache_yaml):
     storage = FakeStorage()
     server = RPCServer(endpoint(engine_id, 0), storage.handle)
     try:
-        sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+        sched = (cls or Scheduler)(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
                           structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)
         yield sched, storage
         if sched.connector is not None:
@@ -169,3 +175,83 @@ def test_scheduler_side_hints_prefetch_none_loads_and_feedback(scheduler):
     md = sched.schedule().kv_connector_metadata
     fin = {f.req_id: f for f in md.finished}
     assert "host" in fin and fin["host"].prompt_tokens == 80 and fin["host"].token_ids[:1] == [1]
+
+
+def test_hints_count_prompt_chunks_another_request_is_computing(scheduler):
+    """Strata's delay hit through the real Scheduler: `a` is admitted and prefilled in part (the token budget
+    is shared with `big`); `b`, queued next with the same prompt prefix, sees a's unsaved chunks as in flight,
+    exactly those; once a saves them (or is aborted) they no longer are."""
+    from vllm.v1.request import RequestStatus
+
+    sched, storage = scheduler
+    conn = sched.connector
+    big, a = make_request("big", 5, n=800), make_request("a", 4, n=600)
+    sched.add_request(big)
+    sched.add_request(a)
+    out = sched.schedule()
+    done_a = out.num_scheduled_tokens["a"]
+    assert done_a == 1024 - 800  # chunked prefill: a computed 224 of its 600 prompt tokens
+    storage.host_end[4] = done_a // CHUNK * CHUNK  # a's first 7 chunks reached the host tier with that step
+
+    b = make_request("b", 4, n=640)  # a's 600 tokens, then 40 of its own
+    sched.add_request(b)
+    hint = conn.tier_hint("b")
+    assert hint.host_tokens == 224
+    assert hint.inflight_tokens == (600 // CHUNK - 224 // CHUNK) * CHUNK == 352  # a's chunks 7..17
+    assert conn.tier_hint("a") is None or conn.tier_hint("a").inflight_tokens == 0  # never its own chunks
+    other = make_request("other", 6, n=640)
+    sched.add_request(other)
+    assert conn.tier_hint("other").inflight_tokens == 0
+
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # abandoned: nobody computes them any more
+    assert conn.tier_hint("b").inflight_tokens == 0
+
+
+def test_in_flight_chunks_land_when_their_request_saves_them(scheduler):
+    sched, storage = scheduler
+    conn = sched.connector
+    sched.add_request(make_request("big", 5, n=800))
+    sched.add_request(make_request("a", 4, n=600))
+    sched.schedule()
+    storage.host_end[4] = 224
+    sched.add_request(make_request("b", 4, n=640))
+    assert conn.tier_hint("b").inflight_tokens == 352
+    out = sched.schedule()  # a's remaining prompt is computed, and its chunks are saved with this step
+    assert out.num_scheduled_tokens["a"] == 600 - 224
+    assert [len(s.token_ids) for s in out.kv_connector_metadata.saves if s.req_id == "a"] == [576]
+    late = make_request("late", 4, n=700)  # host lookup still says 224: only the in-flight count can change
+    sched.add_request(late)
+    assert conn.tier_hint("late").inflight_tokens == 0
+
+
+@pytest.mark.parametrize("hook", [False, True])
+def test_dual_queue_hook_defers_a_request_whose_prefix_is_being_computed(request, hook):
+    """With kvtier's scheduler hook, `b` (352 of its prompt tokens in flight in `a`) is passed over for `c`
+    while a computes them, then admitted with a's chunks loaded from the host tier instead of recomputing
+    them. vLLM's own scheduler admits b at once and recomputes them."""
+    if hook:
+        from kvtier.scheduler_hooks.dual_queue import DualQueueScheduler
+
+        made = _scheduler(request.getfixturevalue("tmp_path"), request.getfixturevalue("lmcache_yaml"),
+                          DualQueueScheduler)
+        sched, storage = next(made)
+        request.addfinalizer(lambda: next(made, None))
+    else:
+        sched, storage = request.getfixturevalue("scheduler")
+    sched.add_request(make_request("big", 5, n=800))
+    sched.add_request(make_request("a", 4, n=600))
+    sched.schedule()
+    storage.host_end[4] = 224
+    sched.add_request(make_request("b", 4, n=640))
+    sched.add_request(make_request("c", 6, n=100))
+    out = sched.schedule()
+    storage.host_end[4] = 576  # a's saves of that step reached the host tier
+    if not hook:
+        assert {"b", "c"} <= set(out.num_scheduled_tokens)
+        assert out.num_scheduled_tokens["b"] == 640 - 224  # recomputes a's 352 in-flight tokens
+        return
+    assert "c" in out.num_scheduled_tokens and "b" not in out.num_scheduled_tokens
+    assert sched.kvtier_policy.stats["deferred_delay_hit"] >= 1 and sched.connector.scheduler_side.counters[
+        "delay_hit_waits"] >= 1
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["b"] == 640 - 576  # loads a's 576 tokens, computes only its own 64
