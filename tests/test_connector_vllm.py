@@ -59,6 +59,7 @@ def main():
         kw["kv_transfer_config"] = args["kv_transfer_config"]
     if args.get("scheduler_cls"):
         kw["scheduler_cls"] = args["scheduler_cls"]
+    kw.update(args.get("engine_kw", {}))
     llm = LLM(model=args["model"], skip_tokenizer_init=True, load_format="auto", dtype="float32",
               enforce_eager=True, block_size=%(block)d, max_model_len=1024, enable_prefix_caching=False,
               max_num_seqs=4, disable_log_stats=False, seed=0, **kw)
@@ -92,6 +93,8 @@ def main():
     for x in llm.get_metrics():
         if x.name == "vllm:prompt_tokens_cached_by_source":
             src[x.labels.get("source", "?")] = x.value
+        if x.name == "vllm:num_preemptions":
+            out["preemptions"] = out.get("preemptions", 0) + x.value
     out["cached_by_source"] = src
     open(args["out"], "w").write(json.dumps(out))
     llm.llm_engine.engine_core.shutdown()
@@ -171,6 +174,12 @@ def runs(tmp_path_factory):
         sched = None
     out["run2"] = run_engine(work, "run2", dict(base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched))
     out["run2_scheduler"] = sched
+    # all four conversations at once in 33 GPU blocks (one request needs 32): decoding runs out of blocks and
+    # vLLM preempts a request, which is later resumed from scratch
+    tight = dict(base, schedule=[[0, 1, 2, 3]] * 3, max_tokens=48, engine_kw={"num_gpu_blocks_override": 33})
+    out["tight_baseline"] = run_engine(work, "tight_baseline", tight)
+    out["tight"] = run_engine(work, "tight", dict(tight, kv_transfer_config=kv_config(
+        lmcache_yaml(work, work / "ssd-tight", host_chunks=64))))
     out["flipped"] = flip_a_byte_in_every_slot(ssd)
     out["run3"] = run_engine(work, "run3", dict(base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched))
     return out
@@ -265,6 +274,20 @@ def test_corrupt_ssd_chunks_are_recomputed_never_served(runs):
     # later turns find history run 3 stored itself, so kvtier still serves those
     assert r3["metrics"].get("kvtier_connector_hit_tokens_total/tier=ssd", 0) + \
         r3["metrics"].get("kvtier_connector_hit_tokens_total/tier=host", 0) > 0
+
+
+def test_preempted_request_resumes_from_the_host_tier(runs):
+    """vLLM preempts a request when decoding runs out of GPU blocks and later recomputes it from scratch; with
+    kvtier the resumed request loads its saved prefix instead, and outputs still equal the baseline's."""
+    base, got, convs = runs["tight_baseline"], runs["tight"], runs["convs"]
+    assert got.get("preemptions", 0) >= 1, "the scenario did not preempt; lower num_gpu_blocks_override"
+    _compare(base, got)
+    assert len(got["admitted"]) == 12 + got["preemptions"]
+    resumed = [c for c in range(4) if len(_admission(got, convs, c)) > 3]
+    assert resumed, got["admitted"]
+    for c in resumed:
+        loaded = [got["admitted"][i][1] for i in _admission(got, convs, c)]
+        assert loaded[-1] > 0 and loaded[-1] >= loaded[2], loaded  # at least its last turn's history
 
 
 def test_answer_length_feedback_reaches_storage(runs):
