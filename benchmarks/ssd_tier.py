@@ -56,8 +56,8 @@ def drop_caches() -> bool:
 class RawFile:
     """Raw pwrite/pread of the same bytes in 4 MiB requests over `streams` threads (the disk's own limits)."""
 
-    def __init__(self, path: str, total: int, block: int = 4 << 20) -> None:
-        self.path, self.total, self.block = path, total, block
+    def __init__(self, path: str, block: int = 4 << 20) -> None:
+        self.path, self.block = path, block
         self.buf = aligned_buffer(block)
         self.buf[:] = os.urandom(block)
         self.bufs = [aligned_buffer(block) for _ in range(8)]
@@ -203,8 +203,8 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
                        "extra_config:\n  use_odirect: true\n", wait_local_disk, local_disk),
     }
     methods: dict[str, EngineMethod] = {}
-    raw = RawFile(os.path.join(tmp, f"raw-{r}.dat"), n_batches * batch_bytes)
-    raw_b = RawFile(os.path.join(tmp, f"rawb-{r}.dat"), n_batches * batch_bytes)
+    raw = RawFile(os.path.join(tmp, f"raw-{r}.dat"))
+    raw_b = RawFile(os.path.join(tmp, f"rawb-{r}.dat"))
     try:
         for name, (body, wait, backend_of) in engines.items():
             methods[name] = EngineMethod(engine_yaml(tmp, f"{name}-{r}".replace(" ", "_"), chunk, host_gb, body),
