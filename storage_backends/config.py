@@ -32,7 +32,7 @@ class KVTierConfig:
     page_tokens: int = 16
     file_size_gb: float = 16.0
     grow_step_mb: int = 1024
-    io_block_mb: int = 4
+    io_block_mb: int = 32
     max_inflight_write_mb: int = 2048
     backpressure_timeout_s: float = 10.0
     pin_timeout_s: float = 600.0
@@ -75,7 +75,8 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("grow_step_mb", "int", "Slot files grow (fallocate) by about this much at a time, never the whole "
             "capacity up front.", minimum=1),
     KeySpec("io_block_mb", "int", "Chunks are read and written as independent requests of this size, spread over "
-            "the I/O threads.", minimum=1),
+            "the I/O threads (a 256-token Llama-3-8B chunk, 32 MiB, is one request: with several chunks in flight "
+            "that kept the disk busier than 4 MiB pieces of one chunk did).", minimum=1),
     KeySpec("max_inflight_write_mb", "int", "Host memory that queued SSD writes may hold (in the LMCache plugin "
             "at most half of max_local_cpu_size, so LMCache never runs out of room for a store); stores beyond it "
             "wait (back-pressure) before being dropped and counted.", minimum=1),
