@@ -169,7 +169,7 @@ class SSDTier:
         self._inflight_bytes = 0
         self._closed = False
         self._disk_full_logged = False
-        self._busy_writes = 0
+        self._drop_listeners: list[Callable[[str, int, str], None]] = []
 
         spf = max(1, int(config.file_size_gb * (1 << 30)) // self.slot_size)
         grow = max(1, (config.grow_step_mb << 20) // self.slot_size)
@@ -308,17 +308,30 @@ class SSDTier:
         with self._lock:
             return list(self._index)
 
+    def add_drop_listener(self, fn: Callable[[str, int, str], None]) -> None:
+        """Call `fn(key, nbytes, reason)` whenever a committed chunk leaves the tier (`reason`: evicted, removed,
+        corrupt or layout). It runs under the tier's lock: keep it short and never block in it."""
+        with self._lock:
+            self._drop_listeners.append(fn)
+
     def __len__(self) -> int:
         return len(self._index)
 
     def used_bytes(self) -> int:
         return len(self._index) * self.slot_size
 
-    def _drop(self, key: str, e: _Entry, corrupt_reason: str | None) -> None:
+    def _drop(self, key: str, e: _Entry, corrupt_reason: str | None, evicted: bool = False) -> None:
         """Remove an entry from the index; its slot is freed now, or when its last reader finishes."""
         if self._index.get(key) is e:
             del self._index[key]
             self.policy.on_remove(key)
+            reason = "evicted" if evicted else ("removed" if corrupt_reason is None else
+                                                 ("layout" if corrupt_reason == "layout" else "corrupt"))
+            for fn in self._drop_listeners:
+                try:
+                    fn(key, e.meta.nbytes, reason)
+                except Exception:
+                    logger.exception("SSD tier drop listener failed for %s", key)
         e.removed = True
         if corrupt_reason == "layout":
             self.stats.layout_mismatch += 1
@@ -446,7 +459,7 @@ class SSDTier:
 
         for victim in self.policy.victims(1, evictable):
             e = self._index[victim]  # type: ignore[index]
-            self._drop(victim, e, None)  # type: ignore[arg-type]
+            self._drop(victim, e, None, evicted=True)  # type: ignore[arg-type]
             self.stats.evictions += 1
             M.SSD_EVICTIONS.inc()
             if self._free:
