@@ -13,8 +13,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvtier.demo", "replay a multi-turn trace slice through LMCache, with and without kvtier's SSD tier"),
     "demo-vllm": ("kvtier.demo_vllm", "the main job: replay multi-turn conversations through vLLM, with and without "
                   "kvtier"),
-    "replay": ("kvtier.storage_backends.replay", "replay a request trace against eviction policies"),
-    "simulate": ("kvtier.scheduler_hooks.simulate", "discrete-event replay of scheduling policies"),
+    "replay": ("kvtier.tools.replay", "replay a request trace against eviction policies"),
+    "simulate": ("kvtier.tools.simulate", "discrete-event replay of scheduling policies"),
 }
 
 

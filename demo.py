@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-logger = logging.getLogger("kvtier.demo")
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def _chunk_kv(prefix_digest: bytes, shape, chunk: int) -> torch.Tensor:
 def _replay(name: str, yaml_text: str, requests, shape, block_tokens: int, chunk: int) -> RunResult:
     from tqdm import tqdm
 
-    from kvtier.storage_backends.engine_factory import build_engine, destroy_engine, kvtier_backend, load_lmcache_config
+    from kvtier.tools.engine_factory import build_engine, destroy_engine, kvtier_backend, load_lmcache_config
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(yaml_text)
@@ -115,8 +115,8 @@ def _replay(name: str, yaml_text: str, requests, shape, block_tokens: int, chunk
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("lmcache").setLevel(logging.WARNING)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # LMCache logs every host-pool eviction retry
-    from kvtier.storage_backends.engine_factory import ModelShape
-    from kvtier.storage_backends.traces import read_mooncake
+    from kvtier.tools.engine_factory import ModelShape
+    from kvtier.tools.traces import read_mooncake
 
     chunk = args.block_tokens
     shape = ModelShape("kvtier-demo/llama-mini", num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("kvtier.demo")
+logger = logging.getLogger(__name__)
 
 VOCAB = 1024
 #: the tiny model (4-layer Llama, fp32); its KV is 2 x layers x kv heads x head dim x 4 bytes per token
@@ -104,7 +104,7 @@ def _message_tokens(session: int, turn: int, new_ids: tuple[int, ...], n: int) -
 def build_workload(trace: str, conversations: int, turns: int, block_tokens: int, max_prompt: int,
                    answer_tokens: int) -> tuple[list[Turn], int]:
     """The replayed turns in trace arrival order, and the longest prompt + answer (tokens)."""
-    from kvtier.storage_backends.traces import read_mooncake
+    from kvtier.tools.traces import read_mooncake
 
     scale = block_tokens / 512
     reqs = read_mooncake(trace)

@@ -21,8 +21,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from kvtier.storage_backends.replay import ReplayClock, parse_capacity, replay_one
-from kvtier.storage_backends.traces import read_trace, unique_blocks
+from kvtier.tools.replay import ReplayClock, parse_capacity, replay_one
+from kvtier.tools.traces import read_trace, unique_blocks
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 POLICIES = ["lru", "fifo", "lfu", "arc", "s3fifo", "answer-length", "belady"]

@@ -29,7 +29,7 @@ def main() -> int:
 
     import torch
 
-    from kvtier.kernels.kvikio_io import kvikio_status
+    from kvtier.storage_backends.kvikio_io import kvikio_status
     from kvtier.storage_backends.config import parse_kvtier_config
     from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
 

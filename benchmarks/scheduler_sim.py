@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/scheduler_sim.py ../shared/traces/mooncake_conversation_first30min.jsonl \
         [--loads 0.85,0.9] [--json OUT] [--plot OUT.png]
 
-1. Replays the trace with `kvtier.scheduler_hooks.simulate` at loads where FCFS queues build up (arrival times
+1. Replays the trace with `kvtier.tools.simulate` at loads where FCFS queues build up (arrival times
    scaled so FCFS keeps the GPU `load` busy) under fcfs, fcfs+prefetch, dual-queue and dual-queue+delay-hit, and
    prints each scheduler's ratios against the FCFS run of the same invocation. Targets: dual-queue mean queueing
    time <= 0.45x FCFS, P99 TTFT <= FCFS, every request completes and none waits far beyond the others
@@ -25,7 +25,7 @@ import time
 from dataclasses import replace
 
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig, DualQueuePolicy, FCFSPolicy
-from kvtier.scheduler_hooks.simulate import SimConfig, calibrate_time_scale, load_trace, plot, simulate
+from kvtier.tools.simulate import SimConfig, calibrate_time_scale, load_trace, plot, simulate
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 
 SCHEDULERS = ("fcfs", "fcfs+prefetch", "dual-queue", "dual-queue+delay-hit")

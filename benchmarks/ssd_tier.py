@@ -30,8 +30,8 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
-from kvtier.kernels.posix_io import aligned_buffer, open_file, pread_full, pwrite_full  # noqa: E402
-from kvtier.storage_backends.engine_factory import (  # noqa: E402
+from kvtier.storage_backends.posix_io import aligned_buffer, open_file, pread_full, pwrite_full  # noqa: E402
+from kvtier.tools.engine_factory import (  # noqa: E402
     ModelShape,
     build_engine,
     destroy_engine,

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from kvtier.storage_backends.config import PREFIX, ConfigError, KVTierConfig, parse_kvtier_config
 
-logger = logging.getLogger("kvtier.connector")
+logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 SUPPORTED_LMCACHE = ("0.5.6",)
@@ -140,7 +140,7 @@ def load_connector_config(extra: Mapping[str, Any] | None, block_size: int, *, p
         raise ConfigError("kv_connector_extra_config.config_file is missing: name the LMCache YAML with the kvtier "
                           "plugin, e.g. {\"config_file\": \"configs/lmcache-kvtier.yaml\"}")
     path = _resolve_file(str(extra["config_file"]))
-    from kvtier.storage_backends.engine_factory import load_lmcache_config
+    from kvtier.storage_backends.lmcache_backend import load_lmcache_config
 
     try:
         lmc = load_lmcache_config(path)

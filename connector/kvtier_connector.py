@@ -24,7 +24,7 @@ from kvtier.connector.metrics import KVTierConnectorStats
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger("kvtier.connector")
+logger = logging.getLogger(__name__)
 
 
 class KVTierConnector(KVConnectorBase_V1):

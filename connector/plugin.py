@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("kvtier.connector")
+logger = logging.getLogger(__name__)
 
 NAME = "KVTierConnector"
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-logger = logging.getLogger("kvtier.connector")
+logger = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 

@@ -35,7 +35,7 @@ from kvtier.connector.rpc import RPCClient, RPCError, endpoint
 from kvtier.scheduler_hooks.hrrn import DiskHRRNQueue
 from kvtier.scheduler_hooks.tier_hint import TierHint, classify
 
-logger = logging.getLogger("kvtier.connector")
+logger = logging.getLogger(__name__)
 
 
 @dataclass

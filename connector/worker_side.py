@@ -29,7 +29,7 @@ from kvtier.connector.rpc import RPCServer, endpoint
 from kvtier.storage_backends import session_signals
 from kvtier.storage_backends.config import ConfigError
 
-logger = logging.getLogger("kvtier.connector")
+logger = logging.getLogger(__name__)
 
 #: attention backend name -> layout of the per-layer KV tensor it registers (vLLM 0.32 / 0.33)
 BACKEND_LAYOUTS = {
@@ -115,7 +115,7 @@ class WorkerSide:
 
         from kvtier.kernels.layout import KVLayoutKind, LayoutError
         from kvtier.kernels.lmcache_connector import PageFirstGPUConnector
-        from kvtier.storage_backends.engine_factory import kvtier_backend
+        from kvtier.storage_backends.lmcache_backend import kvtier_backend
 
         try:
             from vllm.model_executor.models.utils import extract_layer_index

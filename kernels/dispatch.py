@@ -36,7 +36,7 @@ from .layout import (
     validate_plan,
 )
 
-logger = logging.getLogger("kvtier")
+logger = logging.getLogger(__name__)
 
 Impl = Literal["auto", "torch", "triton"]
 

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-logger = logging.getLogger("kvtier")
+logger = logging.getLogger(__name__)
 
 #: dtypes the kernels move (bit-exactly; fp8 is moved as bytes).
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
@@ -275,10 +275,6 @@ class PageFirstLayout:
         """Elements of one page holding ``num_tokens`` (default: a full page)."""
         n = self.page_tokens if num_tokens is None else num_tokens
         return 2 * self.num_layers * n * self.hidden
-
-    def page_shape(self, num_tokens: int | None = None) -> tuple[int, int, int]:
-        n = self.page_tokens if num_tokens is None else num_tokens
-        return (2 * self.num_layers, n, self.hidden)
 
     def buffer_shape(self, num_pages: int) -> tuple[int, int, int, int]:
         """Shape of a buffer of ``num_pages`` full pages."""

@@ -40,7 +40,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from .dispatch import HostChunk, Impl, PageMover
 from .layout import KVLayoutKind, LayoutError, PageFirstLayout, validate_plan
 
-logger = logging.getLogger("kvtier")
+logger = logging.getLogger(__name__)
 
 #: the ``MemoryFormat`` a page-first chunk carries (together with a 4-D shape)
 PAGE_FIRST_FMT: MemoryFormat = MemoryFormat.KV_2TD

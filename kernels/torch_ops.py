@@ -15,7 +15,7 @@ import torch
 
 from .layout import TransferPlan, bits_dtype
 
-logger = logging.getLogger("kvtier")
+logger = logging.getLogger(__name__)
 
 
 def _token_index(plan: TransferPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .layout import LayoutError, TransferPlan, bits_dtype, pick_align
 
-logger = logging.getLogger("kvtier")
+logger = logging.getLogger(__name__)
 
 #: default bound on programs (thread blocks) per launch
 DEFAULT_MAX_PROGRAMS = 32

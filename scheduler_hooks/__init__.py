@@ -5,7 +5,8 @@ Plain-Python core (no vLLM import; the simulator, the connector's prefetcher and
 - `DiskHRRNQueue` (`hrrn`): SSD reads in disk-HRRN order (1 + waiting time / KV bytes, highest first).
 - `DualQueuePolicy` / `FCFSPolicy` (`dual_queue_policy`): Bidaw's ready + preparing queues, Strata's delay-hit
   avoidance, a starvation bound; `make_scheduling_policy(name)`.
-- `CostProfile` / `get_profile` (`cost_model`) and `kvtier simulate` (`simulate`): the discrete-event replay.
+
+`kvtier simulate` (a discrete-event replay with the same policy objects) and its cost model live in `kvtier.tools`.
 
 vLLM hook (imported lazily, needs vLLM): `DualQueueScheduler` (`dual_queue`), for
 `--scheduler-cls kvtier.scheduler_hooks.DualQueueScheduler`.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.scheduler_hooks.cost_model import PROFILES, CostProfile, get_profile
 from kvtier.scheduler_hooks.dual_queue_policy import (
     SCHEDULER_NAMES,
     DualQueueConfig,
@@ -28,9 +28,7 @@ from kvtier.scheduler_hooks.hrrn import DiskHRRNQueue, response_ratio
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState, classify
 
 __all__ = [
-    "PROFILES",
     "SCHEDULER_NAMES",
-    "CostProfile",
     "DiskHRRNQueue",
     "DualQueueConfig",
     "DualQueuePolicy",
@@ -40,7 +38,6 @@ __all__ = [
     "TierHint",
     "TierState",
     "classify",
-    "get_profile",
     "make_scheduling_policy",
     "response_ratio",
 ]

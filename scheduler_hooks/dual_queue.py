@@ -33,7 +33,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig, DualQueuePolicy
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 
-logger = logging.getLogger("kvtier.scheduler_hooks.dual_queue")
+logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncDualQueueScheduler", "DualQueueScheduler"]
 

@@ -45,7 +45,7 @@ from typing import Protocol
 from kvtier.scheduler_hooks.hrrn import GiB, DiskHRRNQueue
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 
-logger = logging.getLogger("kvtier.scheduler_hooks.dual_queue_policy")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SCHEDULER_NAMES",

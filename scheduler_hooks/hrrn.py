@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-logger = logging.getLogger("kvtier.scheduler_hooks.hrrn")
+logger = logging.getLogger(__name__)
 
 __all__ = ["DiskHRRNQueue", "HRRNEntry", "response_ratio"]
 

@@ -22,7 +22,7 @@ def check(path: str) -> str:
     """Validate `path`; returns a one-line summary or raises ConfigError."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such file")
-    from kvtier.storage_backends.engine_factory import load_lmcache_config
+    from kvtier.storage_backends.lmcache_backend import load_lmcache_config
 
     try:
         cfg = load_lmcache_config(path)

@@ -7,7 +7,6 @@ exception, so `kvtier check-config` (and the vLLM connector) call `parse_kvtier_
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -153,7 +152,3 @@ def parse_kvtier_config(extra_config: Mapping[str, Any] | None, overrides: Mappi
         raise ConfigError(f"kvtier.eviction_policy: {e}") from None
     return KVTierConfig(**values)
 
-
-def config_to_extra(config: KVTierConfig) -> dict[str, Any]:
-    """The inverse of parse_kvtier_config: a flat `kvtier.*` dict (used to hand settings across processes)."""
-    return {PREFIX + f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

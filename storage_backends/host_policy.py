@@ -5,7 +5,7 @@
 `vllm.general_plugins` entry point (`install`) arranges that in every vLLM process without importing LMCache
 itself (vLLM's CPU worker rebinds Triton kernels across all loaded modules at start and trips over LMCache's): it
 registers the policies right after LMCache's cache-policy module is first imported. LMCache-only programs call
-`register_host_policies()` once at start (`kvtier.storage_backends.engine_factory` does). The adapter keeps LMCache's own dict as the store and lets the
+`register_host_policies()` once at start (`kvtier.tools.engine_factory` does). The adapter keeps LMCache's own dict as the store and lets the
 kvtier policy choose victims; session signals reach it through `session_signals`.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 from kvtier.storage_backends import session_signals
 from kvtier.storage_backends.eviction import make_policy, production_policy_names
 
-logger = logging.getLogger("kvtier.host_policy")
+logger = logging.getLogger(__name__)
 
 
 def lmcache_name(policy_name: str) -> str:

@@ -23,7 +23,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
 from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
 
-logger = logging.getLogger("kvtier.lmcache")
+logger = logging.getLogger(__name__)
 
 #: LMCache MemoryFormat that kvtier's page-first chunks carry (see kvtier.kernels.lmcache_connector).
 PAGE_FIRST_FORMAT = "KV_2TD"
@@ -229,3 +229,18 @@ class KVTierBackend(StoragePluginInterface):
             if not self.tier.flush(timeout=60):
                 logger.warning("closing with SSD writes still queued; those chunks are not stored")
             self.tier.close()
+
+
+def load_lmcache_config(path: str | None = None, overrides: dict[str, Any] | None = None):
+    """Load an LMCache config exactly as LMCache does (file, then LMCACHE_* environment, then overrides)."""
+    from lmcache.v1.config import load_engine_config_with_overrides
+
+    return load_engine_config_with_overrides(config_file_path=path, overrides=overrides)
+
+
+def kvtier_backend(engine):
+    """The KVTierBackend instance inside an engine (None if LMCache did not load it)."""
+    for b in engine.storage_manager.storage_backends.values():
+        if isinstance(b, KVTierBackend):
+            return b
+    return None

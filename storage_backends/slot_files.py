@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from kvtier.kernels.posix_io import open_file
+from kvtier.storage_backends.posix_io import open_file
 
 
 class SlotFiles:

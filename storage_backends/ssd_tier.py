@@ -27,8 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
-from kvtier.kernels.kvikio_io import KvikioFiles, select_engine
-from kvtier.kernels.posix_io import (
+from kvtier.storage_backends.kvikio_io import KvikioFiles, select_engine
+from kvtier.storage_backends.posix_io import (
     ALIGN,
     aligned_buffer,
     is_aligned,
@@ -55,7 +55,7 @@ from kvtier.storage_backends.slot_format import (
     encode_header,
 )
 
-logger = logging.getLogger("kvtier.ssd")
+logger = logging.getLogger(__name__)
 
 #: threads computing segment checksums beside the I/O threads
 _CRC_THREADS = 2

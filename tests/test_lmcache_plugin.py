@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.compat
 import torch
 
-from kvtier.storage_backends.engine_factory import (
+from kvtier.tools.engine_factory import (
     ModelShape,
     build_engine,
     destroy_engine,
@@ -112,7 +112,7 @@ def test_corrupt_chunk_is_recomputed_not_returned(engine_from):
 STORE_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.argv = sys.argv
-    from kvtier.storage_backends.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, \\
+    from kvtier.tools.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, \\
         load_lmcache_config
     shape = ModelShape("kvtier-test/tiny", 2, 2, 16, torch.bfloat16)
     e = build_engine(load_lmcache_config(sys.argv[1]), shape)

@@ -8,7 +8,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 
 from kvtier.kernels import KVLayoutKind, vllm_cache_shape
 from kvtier.kernels.lmcache_connector import PageFirstGPUConnector
-from kvtier.storage_backends.engine_factory import (
+from kvtier.tools.engine_factory import (
     ModelShape,
     build_engine,
     destroy_engine,

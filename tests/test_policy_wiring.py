@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.storage_backends import session_signals
-from kvtier.storage_backends.engine_factory import ModelShape, build_engine, destroy_engine, load_lmcache_config
+from kvtier.tools.engine_factory import ModelShape, build_engine, destroy_engine, load_lmcache_config
 from kvtier.storage_backends.slot_format import HEADER_SIZE
 from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
 

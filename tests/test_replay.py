@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.storage_backends.eviction import make_policy
-from kvtier.storage_backends.replay import ReplayClock, parse_capacity, replay_one, simulate
-from kvtier.storage_backends.traces import TraceRequest, read_trace, recover_sessions, unique_blocks
+from kvtier.tools.replay import ReplayClock, parse_capacity, replay_one, simulate
+from kvtier.tools.traces import TraceRequest, read_trace, recover_sessions, unique_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 SLICE = REPO / "demo_data" / "mooncake_conversation_slice.jsonl"

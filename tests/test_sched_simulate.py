@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main as cli_main
-from kvtier.scheduler_hooks.cost_model import PROFILES, get_profile
+from kvtier.tools.cost_model import PROFILES, get_profile
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig
-from kvtier.scheduler_hooks.simulate import (
+from kvtier.tools.simulate import (
     SimConfig,
     SimRequest,
     Simulator,

@@ -60,7 +60,7 @@ from kvtier.storage_backends.eviction.ghost_cache import GhostBelady, ReuseBucke
 from kvtier.storage_backends.eviction.reuse_model import ReuseModel
 from kvtier.storage_backends.eviction.sessions import Session, SessionTracker
 
-logger = logging.getLogger("kvtier.storage_backends.eviction.answer_length")
+logger = logging.getLogger(__name__)
 
 DEPTH_EDGES = (1, 2, 3, 5, 9)  # depth buckets: 1, 2, 3-4, 5-8, 9+
 ANSWER_EDGES = (30, 100, 250, 500, 1000)  # answer buckets after "unknown": <30, <100, <250, <500, <1000, 1000+
@@ -212,7 +212,6 @@ class AnswerLengthPolicy(EvictionPolicy):
         self._used = 0
         self._hwm = 0
         self._size_sum = 0
-        self._now = 0.0
         self._refresh()
         # fallback machinery
         self.mode = self.name  #: which ordering evicts now: "answer-length" or a fallback baseline's name
@@ -382,7 +381,6 @@ class AnswerLengthPolicy(EvictionPolicy):
         if not chain:
             return
         now = self.now() if now is None else now
-        self._now = now
         self._req_seq += 1
         self.reuse.advance(now)
         self._since_refresh += 1

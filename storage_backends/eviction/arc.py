@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 from kvtier.storage_backends.eviction.base import EvictionPolicy, Key, register_policy
 
-logger = logging.getLogger("kvtier.storage_backends.eviction.arc")
+logger = logging.getLogger(__name__)
 
 
 @register_policy

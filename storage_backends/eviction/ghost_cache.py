@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-logger = logging.getLogger("kvtier.storage_backends.eviction.ghost_cache")
+logger = logging.getLogger(__name__)
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1

@@ -22,7 +22,7 @@ from typing import Callable
 
 from kvtier.storage_backends.eviction.ghost_cache import ReuseBuckets
 
-logger = logging.getLogger("kvtier.storage_backends.eviction.reuse_model")
+logger = logging.getLogger(__name__)
 
 
 class Item:

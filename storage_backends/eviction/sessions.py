@@ -17,7 +17,7 @@ import logging
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
-logger = logging.getLogger("kvtier.storage_backends.eviction.sessions")
+logger = logging.getLogger(__name__)
 
 Key = Hashable
 
@@ -121,8 +121,5 @@ class SessionTracker:
                     del self._by_tail[k]
             s.tail_keys = ()
             self.forgotten += 1
-            on_forget = getattr(self, "on_forget", None)
-            if on_forget is not None:
-                on_forget(s)
             if len(self._sessions) <= self.max_sessions:
                 return

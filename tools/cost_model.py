@@ -3,7 +3,7 @@
 Everything is derived from a few hardware and model numbers (kept in `HardwareSpec` / `ModelSpec` so a reader can
 check the arithmetic), then frozen into a `CostProfile` that the simulator queries.
 
-GPU compute (one GPU, prefills served one at a time; see `kvtier.scheduler_hooks.simulate` for the queueing model):
+GPU compute (one GPU, prefills served one at a time; see `kvtier.tools.simulate` for the queueing model):
 - prefill of `n` new tokens after `c` cached ones:
       overhead + n * linear_s_per_token + attn_s_per_pair * n * (c + n / 2)
   linear_s_per_token = 2 * params / (peak_flops * mfu)          (the matmuls of every weight, per token)
@@ -29,12 +29,11 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass
 
-logger = logging.getLogger("kvtier.scheduler_hooks.cost_model")
+logger = logging.getLogger(__name__)
 
 __all__ = ["PROFILES", "CostProfile", "HardwareSpec", "ModelSpec", "build_profile", "get_profile"]
 
 GB = 10**9
-KiB = 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal, Sequence
 
-logger = logging.getLogger("kvtier.storage_backends.traces")
+logger = logging.getLogger(__name__)
 
 TraceFormat = Literal["mooncake", "bailian"]
 

@@ -29,9 +29,9 @@ from kvtier.storage_backends.eviction.base import (
     make_policy,
     production_policy_names,
 )
-from kvtier.storage_backends.traces import TraceRequest, read_trace, unique_blocks
+from kvtier.tools.traces import TraceRequest, read_trace, unique_blocks
 
-logger = logging.getLogger("kvtier.storage_backends.replay")
+logger = logging.getLogger(__name__)
 
 #: Default KV bytes of one 512-token block, used to turn GB capacities into blocks: Llama-3.1-8B in bf16
 #: (32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes = 128 KiB per token).

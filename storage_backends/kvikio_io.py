@@ -11,7 +11,7 @@ import ctypes
 import logging
 import threading
 
-logger = logging.getLogger("kvtier.io")
+logger = logging.getLogger(__name__)
 
 
 def kvikio_status() -> tuple[bool, str]:

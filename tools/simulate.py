@@ -2,7 +2,7 @@
 
 The simulator drives the *same* policy objects as production (`make_scheduling_policy`: the vLLM hook's
 `DualQueuePolicy` / `FCFSPolicy`; the host tier's eviction policy from `kvtier.storage_backends.eviction`), feeding
-them the `TierHint`s a connector would publish. Costs come from `kvtier.scheduler_hooks.cost_model`.
+them the `TierHint`s a connector would publish. Costs come from `kvtier.tools.cost_model`.
 
 The modelled system (one GPU; all choices below are the simulator's, documented so results can be judged):
 - KV lives in 512-token blocks (the trace's `hash_ids`; a request's last block holds its remainder). Tiers: vLLM's
@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from kvtier.scheduler_hooks.cost_model import DEFAULT_PROFILE, PROFILES, CostProfile, get_profile
+from kvtier.tools.cost_model import DEFAULT_PROFILE, PROFILES, CostProfile, get_profile
 from kvtier.scheduler_hooks.dual_queue_policy import (
     SCHEDULER_NAMES,
     DualQueueConfig,
@@ -51,7 +51,7 @@ from kvtier.scheduler_hooks.dual_queue_policy import (
 )
 from kvtier.scheduler_hooks.tier_hint import TierHint, classify
 
-logger = logging.getLogger("kvtier.scheduler_hooks.simulate")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SimConfig",
@@ -142,27 +142,11 @@ class SimResult:
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[SimRequest]:
-    """Mooncake-style JSONL (or anything `kvtier.storage_backends.traces.read_trace` reads) -> requests."""
-    try:
-        from kvtier.storage_backends.traces import read_trace
-    except ImportError:  # pragma: no cover - the storage helper's reader is optional
-        read_trace = None
-    if read_trace is not None:
-        reqs = read_trace(path, limit=limit)
-        out = [
-            SimRequest(str(r.index), float(r.timestamp), tuple(r.hash_ids), int(r.input_length), int(r.output_length))
-            for r in reqs
-        ]
-    else:  # pragma: no cover
-        out = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip() and (limit is None or len(out) < limit):
-                    o = json.loads(line)
-                    out.append(
-                        SimRequest(str(len(out)), o["timestamp"] / 1000.0, tuple(o["hash_ids"]),
-                                   int(o["input_length"]), int(o["output_length"]))
-                    )
+    """Mooncake-style JSONL (or anything `kvtier.tools.traces.read_trace` reads) -> requests."""
+    from kvtier.tools.traces import read_trace
+
+    out = [SimRequest(str(r.index), float(r.timestamp), tuple(r.hash_ids), int(r.input_length), int(r.output_length))
+           for r in read_trace(path, limit=limit)]
     out.sort(key=lambda r: r.arrival)  # stable: equal timestamps keep file order
     return out
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from kvtier.storage_backends.lmcache_backend import kvtier_backend, load_lmcache_config  # noqa: F401 (re-used by demos)
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,6 @@ class ModelShape:
 
     def chunk_bytes(self, chunk_size: int) -> int:
         return 2 * self.num_layers * chunk_size * self.hidden * torch.empty((), dtype=self.dtype).element_size()
-
-
-def load_lmcache_config(path: str | None = None, overrides: dict[str, Any] | None = None):
-    """Load an LMCache config exactly as LMCache does (file, then LMCACHE_* environment, then overrides)."""
-    from lmcache.v1.config import load_engine_config_with_overrides
-
-    return load_engine_config_with_overrides(config_file_path=path, overrides=overrides)
 
 
 def build_engine(config, shape: ModelShape, *, instance_id: str | None = None, world_size: int = 1,
@@ -75,13 +69,3 @@ def destroy_engine(engine) -> None:
             LMCacheEngineBuilder.destroy(iid)
             return
     engine.close()
-
-
-def kvtier_backend(engine):
-    """The KVTierBackend instance inside an engine (None if LMCache did not load it)."""
-    from kvtier.storage_backends.lmcache_backend import KVTierBackend
-
-    for b in engine.storage_manager.storage_backends.values():
-        if isinstance(b, KVTierBackend):
-            return b
-    return None
