@@ -156,8 +156,8 @@ def rebuild_time(tmp: str, slots: int = 100_000) -> float:
     cfg = parse_kvtier_config({"kvtier.ssd_path": d, "kvtier.ssd_capacity_gb": slots * 8192 / (1 << 30) + 0.01,
                                "kvtier.file_size_gb": 64})
     t = SSDTier(cfg, 4096)
-    t.files.ensure(slots - 1)
-    jp = t.journal.path
+    t.io.files.ensure(slots - 1)
+    jp = t.io.journal.path
     t.close()
     j = Journal(jp)
     j.append([CommitRecord(i, i + 1, f"bench/llama-3-8b@1@0@{i:064x}@bfloat16", 4096, (4096,), "torch.uint8",

@@ -180,9 +180,9 @@ def load_connector_config(extra: Mapping[str, Any] | None, block_size: int, *, p
         raise ConfigError(f"LMCache chunk_size {chunk} is not a multiple of kvtier.page_tokens {kv.page_tokens}; "
                           f"use a chunk_size that is a multiple of {kv.page_tokens}")
     if prepare_dir:
-        from kvtier.storage_backends.ssd_tier import _prepare_directory
+        from kvtier.storage_backends.ssd_directory import prepare_directory
 
-        _prepare_directory(kv.ssd_path)
+        prepare_directory(kv.ssd_path)
     # The merged keys are what LMCache hands the plugin's constructor.
     lmc.extra_config = merged
     if getattr(lmc, "pre_caching_hash_algorithm", "builtin") == "builtin" and "PYTHONHASHSEED" not in os.environ:

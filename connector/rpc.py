@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from typing import Any, Callable
 
 import msgspec
@@ -104,25 +105,58 @@ class RPCClient:
             self._socks[i] = s
         return s
 
+    def _reset(self, i: int) -> None:
+        """Drop rank i's socket: a REQ socket whose reply was not read (or that failed) cannot be used again."""
+        s = self._socks[i]
+        self._socks[i] = None
+        if s is not None:
+            try:
+                s.close(0)
+            except zmq.ZMQError:
+                pass
+
     def call(self, msg: dict[str, Any], timeout_ms: int | None = None) -> list[dict[str, Any]]:
+        """Send `msg` to every rank and return their replies in rank order. Every reply is read (or its socket
+        rebuilt) before this returns, whatever the others answered, so one rank's error or silence never leaves
+        a socket out of step for the next call. Raises RPCError only, naming each rank that failed."""
         data = self._enc.encode(msg)
-        for i in range(len(self.addresses)):
-            self._sock(i).send(data)
-        out = []
-        for i in range(len(self.addresses)):
-            s = self._sock(i)
-            if not s.poll(self.timeout_ms if timeout_ms is None else timeout_ms, zmq.POLLIN):
-                for j in range(i, len(self.addresses)):  # a REQ socket without its reply is unusable: rebuild
-                    if self._socks[j] is not None:
-                        self._socks[j].close(0)  # type: ignore[union-attr]
-                        self._socks[j] = None
-                raise RPCError(f"no answer from the kvtier storage side at {self.addresses[i]} within "
-                               f"{(timeout_ms or self.timeout_ms) / 1000:.1f} s")
-            rep = self._dec.decode(s.recv())
-            if "error" in rep:
-                raise RPCError(f"kvtier storage side (rank {i}) failed: {rep['error']}")
-            out.append(rep)
-        return out
+        wait_ms = self.timeout_ms if timeout_ms is None else timeout_ms
+        n = len(self.addresses)
+        errors: list[str] = []
+        sent = [False] * n
+        for i in range(n):
+            try:
+                self._sock(i).send(data)
+                sent[i] = True
+            except zmq.ZMQError as e:
+                self._reset(i)
+                errors.append(f"rank {i} at {self.addresses[i]}: cannot send ({e})")
+        replies: list[dict[str, Any]] = [{} for _ in range(n)]
+        deadline = time.monotonic() + wait_ms / 1000
+        for i in range(n):
+            if not sent[i]:
+                continue
+            s = self._socks[i]
+            try:
+                left = max(0, int((deadline - time.monotonic()) * 1000))
+                if not s.poll(left, zmq.POLLIN):  # type: ignore[union-attr]
+                    self._reset(i)
+                    errors.append(f"no answer from rank {i} at {self.addresses[i]} within {wait_ms / 1000:.1f} s")
+                    continue
+                rep = self._dec.decode(s.recv())  # type: ignore[union-attr]
+            except (zmq.ZMQError, msgspec.DecodeError) as e:
+                self._reset(i)
+                errors.append(f"rank {i} at {self.addresses[i]}: {type(e).__name__}: {e}")
+                continue
+            if not isinstance(rep, dict):
+                errors.append(f"rank {i}: malformed reply")
+            elif "error" in rep:
+                errors.append(f"rank {i} failed: {rep['error']}")
+            else:
+                replies[i] = rep
+        if errors:
+            raise RPCError("kvtier storage side: " + "; ".join(errors))
+        return replies
 
     def close(self) -> None:
         for s in self._socks:

@@ -1,15 +1,25 @@
-"""kvtier's storage side: the SSD tier, its LMCache plugin, configuration and eviction policies.
+"""kvtier's storage side: the SSD tier, its LMCache adapters, configuration and eviction policies.
 
-`KVTierBackend` (the LMCache plugin named in `storage_plugin.kvtier.class_name`) is imported lazily so that the
-policies and the replay tools work without LMCache installed.
+Public classes, imported lazily (the policies and the replay tools work without LMCache installed):
+- `SSDTier` (`ssd_tier`): the SSD tier, composed of `SlotIndex` (`ssd_index`, no I/O) and `SlotIO` (`ssd_io`);
+- `ChunkMeta`: what the tier records about a chunk besides its bytes;
+- `KVTierBackend` (`lmcache_backend`): the in-process LMCache storage plugin named in
+  `storage_plugin.kvtier.class_name`.
 """
 
-__all__ = ["KVTierBackend"]
+__all__ = ["ChunkMeta", "KVTierBackend", "SSDTier", "SlotIndex"]
+
+_WHERE = {
+    "KVTierBackend": "kvtier.storage_backends.lmcache_backend",
+    "SSDTier": "kvtier.storage_backends.ssd_tier",
+    "ChunkMeta": "kvtier.storage_backends.ssd_index",
+    "SlotIndex": "kvtier.storage_backends.ssd_index",
+}
 
 
 def __getattr__(name: str):
-    if name == "KVTierBackend":
-        from kvtier.storage_backends.lmcache_backend import KVTierBackend
+    if name in _WHERE:
+        import importlib
 
-        return KVTierBackend
+        return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(name)

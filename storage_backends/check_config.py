@@ -41,9 +41,9 @@ def check(path: str) -> str:
         if not module.startswith("kvtier.storage_backends"):
             raise ConfigError(f"storage_plugin.{name}.module_path must be kvtier.storage_backends, got {module!r}")
     kv = parse_kvtier_config(cfg.extra_config)
-    from kvtier.storage_backends.ssd_tier import _prepare_directory
+    from kvtier.storage_backends.ssd_directory import prepare_directory
 
-    _prepare_directory(kv.ssd_path)
+    prepare_directory(kv.ssd_path)
     return (f"OK: {path}: plugin {names[0]!r} -> KVTierBackend, SSD tier at {kv.ssd_path} "
             f"({kv.ssd_capacity_gb:g} GiB, {kv.io_threads} I/O threads, io_engine={kv.io_engine}, "
             f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB, chunk_size {cfg.chunk_size}")

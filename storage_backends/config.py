@@ -150,5 +150,25 @@ def parse_kvtier_config(extra_config: Mapping[str, Any] | None, overrides: Mappi
         make_policy(values.get("eviction_policy", "lru"))
     except ValueError as e:
         raise ConfigError(f"kvtier.eviction_policy: {e}") from None
+    if "chunk_format" in values:
+        _check_chunk_format(values["chunk_format"])
     return KVTierConfig(**values)
+
+
+def _check_chunk_format(fmt: str) -> None:
+    """`page_first` or a name of LMCache's MemoryFormat (checked against the installed LMCache)."""
+    if fmt == "page_first":
+        return
+    try:
+        from lmcache.v1.memory_management import MemoryFormat
+    except ImportError:  # no LMCache: no LMCache-format chunk can be produced or read here anyway
+        return
+    names = [f.name for f in MemoryFormat if f.name != "UNDEFINED"]
+    if fmt not in names:
+        import difflib
+
+        close = difflib.get_close_matches(fmt, names + ["page_first"], 1)
+        raise ConfigError(f"kvtier.chunk_format: {fmt!r} is neither page_first nor an LMCache MemoryFormat"
+                          f"{f' (did you mean {close[0]}?)' if close else ''}; choose one of page_first, "
+                          f"{', '.join(names)}")
 

@@ -91,12 +91,6 @@ class KVTierBackend(StoragePluginInterface):
             return
         if metadata is None or not getattr(metadata, "kv_shape", None):
             raise ConfigError("kvtier needs LMCache metadata with kv_shape to size its slots")
-        try:
-            if self.kvtier_config.chunk_format != "page_first":
-                MemoryFormat[self.kvtier_config.chunk_format]
-        except KeyError:
-            raise ConfigError(f"kvtier.chunk_format: {self.kvtier_config.chunk_format!r} is neither page_first nor "
-                              f"an LMCache MemoryFormat ({', '.join(f.name for f in MemoryFormat)})") from None
         self.tier = SSDTier(
             self.kvtier_config,
             chunk_bytes_of(metadata),

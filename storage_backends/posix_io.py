@@ -33,18 +33,38 @@ def is_aligned(buf: memoryview, align: int = ALIGN) -> bool:
     return address_of(buf) % align == 0
 
 
+def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
+    """`os.open` that never follows a symbolic link in the last path component (ELOOP instead)."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
 def open_file(path: str, *, o_direct: bool, create: bool = True) -> int:
-    """Open for read/write, 0600. Raises OSError(EINVAL) where the file system refuses O_DIRECT."""
-    flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_CLOEXEC", 0)
+    """Open a data file for read/write, 0600, never through a symbolic link. Raises OSError (EINVAL where the file
+    system refuses O_DIRECT, ELOOP for a link)."""
+    flags = os.O_RDWR | (os.O_CREAT if create else 0)
     if o_direct:
         flags |= os.O_DIRECT
-    return os.open(path, flags, 0o600)
+    return open_nofollow(path, flags)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (a created or renamed file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def probe_o_direct(directory: str) -> None:
-    """Raise OSError if `directory`'s file system cannot do an aligned O_DIRECT write and read."""
+    """Raise OSError if `directory`'s file system cannot do an aligned O_DIRECT write and read. The probe file is
+    created exclusively (a planted file or link of that name is removed first, never written through)."""
     probe = os.path.join(directory, ".o_direct_probe")
-    fd = open_file(probe, o_direct=True)
+    try:
+        os.unlink(probe)
+    except FileNotFoundError:
+        pass
+    fd = open_nofollow(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT)
     try:
         buf = aligned_buffer(ALIGN)
         pwrite_full(fd, buf, 0)
@@ -80,9 +100,16 @@ def preadv_full(fd: int, bufs: list[memoryview], offset: int) -> None:
 
 
 def pwrite_full(fd: int, buf: memoryview, offset: int) -> None:
+    """Write all of `buf` at `offset`."""
     done, n = 0, len(buf)
     while done < n:
         put = os.pwritev(fd, [buf[done:]], offset + done)
         if put == 0:
             raise OSError(errno.EIO, "pwrite wrote nothing")
         done += put
+
+
+def bytes_view(buf) -> memoryview:
+    """A flat unsigned-byte view of any C-contiguous buffer (ctypes arrays, numpy, mmap...)."""
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")

@@ -2,14 +2,21 @@
 
 Slot `s` lives in file `s // slots_per_file` at offset `(s % slots_per_file) * slot_size`. Files are extended with
 `posix_fallocate` one step at a time (never the whole capacity up front), so a full disk shows up as ENOSPC when
-growing, before any data is written. File names come from the slot size and an index, never from keys.
+growing, before any data is written. File names come from the slot size and an index, never from keys, and files
+are opened without following symbolic links: a link planted in the directory stops the start with a clear error.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 
-from kvtier.storage_backends.posix_io import open_file
+from kvtier.storage_backends.config import ConfigError
+from kvtier.storage_backends.posix_io import fsync_dir, open_file
+
+#: More slot files than this per slot size would mean an absurd capacity (16 GiB files: 16 EiB); names beyond it
+#: are not kvtier's.
+MAX_FILES = 1 << 20
 
 
 class SlotFiles:
@@ -25,10 +32,18 @@ class SlotFiles:
         self._extent: dict[int, int] = {}  # file index -> slots allocated on disk
         prefix = self._prefix()
         for name in os.listdir(directory):
-            if name.startswith(prefix) and name.endswith(".dat"):
-                idx = int(name[len(prefix):-4])
-                fd = self._open(idx)
-                self._extent[idx] = os.fstat(fd).st_size // slot_size
+            if not (name.startswith(prefix) and name.endswith(".dat")):
+                continue
+            digits = name[len(prefix):-4]
+            if not (digits.isdigit() and int(digits) < MAX_FILES and name == os.path.basename(self.path(int(digits)))):
+                continue  # not a name this tier writes
+            idx = int(digits)
+            st = os.lstat(self.path(idx))
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"kvtier.ssd_path: {self.path(idx)} is not a regular file (a symbolic link or "
+                                  "something planted?); kvtier never follows links there: remove it")
+            fd = self._open(idx)
+            self._extent[idx] = os.fstat(fd).st_size // slot_size
 
     def _prefix(self) -> str:
         return f"slots-{self.slot_size // 1024}k-"
@@ -39,38 +54,41 @@ class SlotFiles:
     def _open(self, idx: int) -> int:
         fd = self._fds.get(idx)
         if fd is None:
-            existed = os.path.exists(self.path(idx))
+            if not 0 <= idx < MAX_FILES:
+                raise ValueError(f"slot file index {idx} out of range")
+            existed = os.path.lexists(self.path(idx))
             fd = open_file(self.path(idx), o_direct=self.o_direct)
             self._fds[idx] = fd
             self.fd_paths[fd] = self.path(idx)
             if not existed:  # make the new file's directory entry durable before any commit refers to it
-                dfd = os.open(self.directory, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                fsync_dir(self.directory)
         return fd
 
     def allocated_slots(self) -> int:
         return sum(self._extent.values())
 
+    def _split(self, slot: int) -> tuple[int, int]:
+        if slot < 0:
+            raise ValueError(f"negative slot {slot}")
+        return divmod(slot, self.slots_per_file)
+
     def locate(self, slot: int) -> tuple[int, int]:
         """(fd, byte offset) of a slot; the slot must be within the allocated extent for writes."""
-        idx, pos = divmod(slot, self.slots_per_file)
+        idx, pos = self._split(slot)
         return self._open(idx), pos * self.slot_size
 
     def locate_path(self, slot: int) -> tuple[str, int]:
-        idx, pos = divmod(slot, self.slots_per_file)
+        idx, pos = self._split(slot)
         return self.path(idx), pos * self.slot_size
 
     def is_allocated(self, slot: int) -> bool:
-        idx, pos = divmod(slot, self.slots_per_file)
+        idx, pos = self._split(slot)
         return pos < self._extent.get(idx, 0)
 
     def ensure(self, slot: int, limit: int | None = None) -> None:
         """Grow the slot's file (by whole steps, never past slot `limit - 1`, the tier's capacity) so that the
         slot exists on disk. Raises OSError (ENOSPC...)."""
-        idx, pos = divmod(slot, self.slots_per_file)
+        idx, pos = self._split(slot)
         have = self._extent.get(idx, 0)
         if pos < have:
             return
@@ -81,9 +99,8 @@ class SlotFiles:
         os.posix_fallocate(fd, have * self.slot_size, (want - have) * self.slot_size)
         self._extent[idx] = want
 
-    def sync(self, fds: set[int]) -> None:
-        for fd in fds:
-            os.fdatasync(fd)
+    def sync(self, fd: int) -> None:
+        os.fdatasync(fd)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -4,12 +4,18 @@ A slot is `[header: 4 KiB][data: nbytes, padded to 4 KiB]`. The header names the
 shape and memory format of the chunk, the generation number of the write and one CRC32 per `seg`-byte segment of
 the data. The journal is an append-only file of framed records; a COMMIT record is the chunk's commit marker
 and is written only after the slot's data and header are durable. Encoding is msgpack (msgspec), never pickle.
+
+Nothing read from disk is trusted: a header or record whose fields are out of range (a negative slot, a zero
+segment size, a CRC count that does not match the size...) fails to decode exactly like one with a bad checksum.
+`decode_records` resynchronises after a damaged record instead of stopping there, so one flipped byte costs at most
+the record it hits.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
+from dataclasses import dataclass, field
 
 import msgspec
 from isal.isal_zlib import crc32 as _isal_crc32
@@ -19,6 +25,29 @@ SLOT_MAGIC = b"KVTSLOT1"
 _HDR_FRAME = struct.Struct("<8sII")  # magic, payload length, payload crc32
 _REC_FRAME = struct.Struct("<II")  # payload length, payload crc32
 FORMAT_VERSION = 1
+#: Largest journal record payload accepted (a COMMIT record carries what a 4 KiB slot header carries).
+MAX_RECORD_BYTES = HEADER_SIZE
+#: Largest segment size a header or record may name (io_block_mb is at most a few hundred MiB in practice).
+MAX_SEGMENT_BYTES = 1 << 34
+_SEG_ALIGN = 4096
+#: Generations are counted up from 1 and stay far below msgpack's int64 limit.
+MAX_GENERATION = 1 << 62
+
+
+def _check_chunk_fields(key: str, gen: int, nbytes: int, shape: tuple[int, ...], dtype: str, fmt: str,
+                        seg: int) -> None:
+    if not key:
+        raise ValueError("empty key")
+    if not 1 <= gen < MAX_GENERATION:
+        raise ValueError(f"generation {gen} out of range")
+    if nbytes < 0:
+        raise ValueError(f"negative size {nbytes}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    if not dtype or not fmt:
+        raise ValueError("empty dtype or format")
+    if seg <= 0 or seg % _SEG_ALIGN or seg > MAX_SEGMENT_BYTES:
+        raise ValueError(f"segment size {seg} out of range")
 
 
 class SlotHeader(msgspec.Struct, array_like=True, frozen=True):
@@ -33,6 +62,13 @@ class SlotHeader(msgspec.Struct, array_like=True, frozen=True):
     crcs: tuple[int, ...]
     extra: dict[str, object] = {}
 
+    def __post_init__(self) -> None:
+        if self.version != FORMAT_VERSION:
+            raise ValueError(f"slot format version {self.version}, expected {FORMAT_VERSION}")
+        _check_chunk_fields(self.key, self.gen, self.nbytes, self.shape, self.dtype, self.fmt, self.seg)
+        if len(self.crcs) != segment_count(self.nbytes, self.seg):
+            raise ValueError(f"{len(self.crcs)} checksums for {self.nbytes} bytes in {self.seg}-byte segments")
+
 
 class CommitRecord(msgspec.Struct, tag="C", array_like=True, frozen=True):
     slot: int
@@ -45,21 +81,34 @@ class CommitRecord(msgspec.Struct, tag="C", array_like=True, frozen=True):
     seg: int
     extra: dict[str, object] = {}
 
+    def __post_init__(self) -> None:
+        if self.slot < 0:
+            raise ValueError(f"negative slot {self.slot}")
+        _check_chunk_fields(self.key, self.gen, self.nbytes, self.shape, self.dtype, self.fmt, self.seg)
+
 
 class FreeRecord(msgspec.Struct, tag="F", array_like=True, frozen=True):
     slot: int
     gen: int
 
+    def __post_init__(self) -> None:
+        if self.slot < 0 or not 1 <= self.gen < MAX_GENERATION:
+            raise ValueError(f"free record out of range (slot {self.slot}, generation {self.gen})")
+
 
 JournalRecord = CommitRecord | FreeRecord
 
-_hdr_enc = msgspec.msgpack.Encoder()
+_enc = msgspec.msgpack.Encoder()
 _hdr_dec = msgspec.msgpack.Decoder(SlotHeader)
 _rec_dec = msgspec.msgpack.Decoder(JournalRecord)
 
 
 class CorruptSlot(Exception):
-    """A slot or record failed validation (bad magic, checksum, truncated, wrong key...)."""
+    """A slot failed validation (bad magic, checksum, truncated, wrong key...). `reason` is the metric label."""
+
+    def __init__(self, message: str, reason: str = "header") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def checksum(data) -> int:
@@ -69,14 +118,31 @@ def checksum(data) -> int:
     return _isal_crc32(data)
 
 
+def segment_count(nbytes: int, seg: int) -> int:
+    return max(1, -(-nbytes // seg))
+
+
+def segments(nbytes: int, seg: int) -> list[tuple[int, int]]:
+    """The `[lo, hi)` byte ranges of a chunk's data segments (one empty segment for an empty chunk)."""
+    return [(lo, min(lo + seg, nbytes)) for lo in range(0, nbytes, seg)] or [(0, 0)]
+
+
 def encode_header(h: SlotHeader, out: memoryview) -> None:
-    """Write `h` into the first HEADER_SIZE bytes of `out` (zero-padded)."""
-    payload = _hdr_enc.encode(h)
+    """Write `h` into the first HEADER_SIZE bytes of `out` (zero-padded). ValueError if it does not fit."""
+    payload = _enc.encode(h)
     if _HDR_FRAME.size + len(payload) > HEADER_SIZE:
         raise ValueError(f"slot header too large ({len(payload)} bytes): key or shape too long")
     out[:HEADER_SIZE] = b"\0" * HEADER_SIZE
     _HDR_FRAME.pack_into(out, 0, SLOT_MAGIC, len(payload), zlib.crc32(payload))
     out[_HDR_FRAME.size:_HDR_FRAME.size + len(payload)] = payload
+
+
+def header_fits(key: str, shape: tuple[int, ...], dtype: str, fmt: str, nbytes: int, seg: int,
+                extra: dict[str, object]) -> bool:
+    """Whether a header for such a chunk fits the 4 KiB header block (checked before a chunk is queued)."""
+    worst = SlotHeader(FORMAT_VERSION, key, MAX_GENERATION - 1, nbytes, shape, dtype, fmt, seg,
+                       (0xFFFFFFFF,) * segment_count(nbytes, seg), extra)
+    return _HDR_FRAME.size + len(_enc.encode(worst)) <= HEADER_SIZE
 
 
 def decode_header(buf: memoryview) -> SlotHeader:
@@ -90,30 +156,58 @@ def decode_header(buf: memoryview) -> SlotHeader:
         raise CorruptSlot("slot header checksum mismatch")
     try:
         return _hdr_dec.decode(payload)
-    except msgspec.DecodeError as e:
-        raise CorruptSlot(f"slot header undecodable: {e}") from None
+    except (msgspec.DecodeError, ValueError) as e:
+        raise CorruptSlot(f"slot header undecodable or out of range: {e}") from None
 
 
 def encode_record(rec: JournalRecord) -> bytes:
-    payload = _hdr_enc.encode(rec)
+    payload = _enc.encode(rec)
     return _REC_FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def decode_records(data: bytes) -> tuple[list[JournalRecord], int]:
-    """Decode framed records; returns them and the length of the valid prefix (a torn tail is cut there)."""
-    out: list[JournalRecord] = []
+@dataclass
+class DecodedJournal:
+    """What `decode_records` found: the valid records in file order, the byte ranges it skipped as damaged
+    (valid records follow each), and where the valid data ends (a torn or damaged tail starts there)."""
+
+    records: list[JournalRecord] = field(default_factory=list)
+    damaged: list[tuple[int, int]] = field(default_factory=list)
+    valid_end: int = 0
+
+
+def _record_at(data: bytes, pos: int) -> tuple[JournalRecord, int] | None:
+    """The valid record framed at `pos` and the offset after it, or None."""
+    n = len(data)
+    if pos + _REC_FRAME.size > n:
+        return None
+    length, crc = _REC_FRAME.unpack_from(data, pos)
+    end = pos + _REC_FRAME.size + length
+    if length == 0 or length > MAX_RECORD_BYTES or end > n:
+        return None
+    payload = data[pos + _REC_FRAME.size:end]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        return _rec_dec.decode(payload), end
+    except (msgspec.DecodeError, ValueError):
+        return None
+
+
+def decode_records(data: bytes) -> DecodedJournal:
+    """Decode framed records. After a damaged record, scan forward to the next valid frame and go on from
+    there (the damaged bytes are reported); damage with no valid record after it is the tail."""
+    out = DecodedJournal()
     pos, n = 0, len(data)
-    while pos + _REC_FRAME.size <= n:
-        length, crc = _REC_FRAME.unpack_from(data, pos)
-        end = pos + _REC_FRAME.size + length
-        if end > n:
+    while pos < n:
+        got = _record_at(data, pos)
+        if got is not None:
+            out.records.append(got[0])
+            pos = got[1]
+            out.valid_end = pos
+            continue
+        nxt = next((p for p in range(pos + 1, n - _REC_FRAME.size + 1) if _record_at(data, p) is not None), None)
+        if nxt is None:
             break
-        payload = data[pos + _REC_FRAME.size:end]
-        if zlib.crc32(payload) != crc:
-            break
-        try:
-            out.append(_rec_dec.decode(payload))
-        except msgspec.DecodeError:
-            break
-        pos = end
-    return out, pos
+        out.damaged.append((pos, nxt))
+        pos = nxt
+    return out

@@ -97,6 +97,42 @@ def test_rpc_round_trip_and_timeout():
     dead.close()
 
 
+def test_rpc_with_two_ranks_survives_one_rank_failing_or_hanging():
+    """Tensor parallelism: every rank answers every call. One rank's error or silence is an RPCError naming that
+    rank (the caller treats it as a miss), and the next call to both ranks works (no socket left out of step)."""
+    import threading
+
+    from kvtier.connector.rpc import RPCClient, RPCError, RPCServer, endpoint
+
+    eid = f"tp2-{uuid.uuid4().hex[:6]}"
+    release = threading.Event()
+
+    def rank1(req):
+        if req["op"] == "fail":
+            raise RuntimeError("rank 1 storage broke")
+        if req["op"] == "hang":
+            release.wait(5)
+        return {"rank": 1}
+
+    servers = [RPCServer(endpoint(eid, 0), lambda req: {"rank": 0}), RPCServer(endpoint(eid, 1), rank1)]
+    cli = RPCClient([endpoint(eid, 0), endpoint(eid, 1)], timeout_s=1)
+    try:
+        assert cli.call({"op": "lookup"}) == [{"rank": 0}, {"rank": 1}]
+        for _ in range(3):
+            with pytest.raises(RPCError, match="rank 1 failed: RuntimeError: rank 1 storage broke"):
+                cli.call({"op": "fail"})
+            assert cli.call({"op": "lookup"}) == [{"rank": 0}, {"rank": 1}]
+        with pytest.raises(RPCError, match="no answer from rank 1"):
+            cli.call({"op": "hang"}, timeout_ms=300)
+        release.set()
+        assert cli.call({"op": "lookup"}) == [{"rank": 0}, {"rank": 1}]
+    finally:
+        release.set()
+        cli.close()
+        for srv in servers:
+            srv.close()
+
+
 def test_metadata_and_stats_cross_processes():
     from kvtier.connector.messages import FinishedSpec, KVTierConnectorMetadata, LoadSpec, LookupResult, SaveSpec
     from kvtier.connector.metrics import KVTierConnectorStats

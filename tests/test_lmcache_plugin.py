@@ -94,8 +94,8 @@ def test_corrupt_chunk_is_recomputed_not_returned(engine_from):
     e.store(tokens, kvcaches=kv)
     assert b.flush(30)
     keys = [k.to_string() for _, _, k in e.token_database.process_tokens(tokens=tokens)]
-    entry = b.tier._index[keys[2]]
-    path, base = b.tier.files.locate_path(entry.slot)
+    entry = b.tier.index.get(keys[2])
+    path, base = b.tier.io.files.locate_path(entry.slot)
     with open(path, "r+b") as f:  # flip one bit of chunk 2's data
         f.seek(base + 4096 + 10)
         byte = f.read(1)[0]
@@ -190,7 +190,7 @@ def test_slow_ssd_applies_backpressure_instead_of_dropping(lmcache_yaml, monkeyp
     try:
         b = kvtier_backend(e)
         real = b.tier._write_batch
-        monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.02), real(batch)))
+        monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.02), real(batch))[1])
         g = torch.Generator().manual_seed(9)
         for s in range(8):  # eight requests of 8 chunks each
             tokens = torch.arange(s * 10_000, s * 10_000 + 8 * CHUNK)
@@ -218,7 +218,7 @@ def test_default_queue_cap_leaves_lmcache_room_for_the_next_store(lmcache_yaml, 
         b = kvtier_backend(e)
         assert b.tier.max_inflight_bytes == 8 * per_chunk
         real = b.tier._write_batch
-        monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.05), real(batch)))
+        monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.05), real(batch))[1])
         g = torch.Generator().manual_seed(5)
         for s in range(6):  # six requests of 8 chunks: three pools' worth while the SSD lags
             tokens = torch.arange(s * 10_000, s * 10_000 + 8 * CHUNK)
@@ -238,6 +238,9 @@ def test_unknown_key_fails_plugin_construction_loudly_in_check_config(lmcache_ya
         check(lmcache_yaml(io_thread=4))
     with pytest.raises(ConfigError, match="io_threads must be an integer"):
         check(lmcache_yaml(io_threads="many"))
+    with pytest.raises(ConfigError, match="kvtier.chunk_format: 'KV_2LDT' is neither.*did you mean KV_2LTD"):
+        check(lmcache_yaml(chunk_format="KV_2LDT"))
+    assert check(lmcache_yaml(chunk_format="page_first")).startswith("OK")
     assert check(lmcache_yaml()).startswith("OK")
 
 

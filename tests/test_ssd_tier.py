@@ -100,8 +100,8 @@ def test_second_process_on_same_directory_is_refused(tier, tier_config):
 
 
 def _slot_data_offset(tier: SSDTier, key: str) -> tuple[str, int]:
-    e = tier._index[key]
-    path, base = tier.files.locate_path(e.slot)
+    e = tier.index.get(key)
+    path, base = tier.io.files.locate_path(e.slot)
     return path, base
 
 
@@ -123,7 +123,7 @@ def test_slots_written_with_zlib_crc_still_verify(tier_config, monkeypatch):
     a build using zlib) read back bit-exact, and a different CRC would be caught here as a miss."""
     import zlib
 
-    from kvtier.storage_backends import ssd_tier
+    from kvtier.storage_backends import ssd_io
     from kvtier.storage_backends.slot_format import checksum
 
     for n in (1, 4095, 4096, CHUNK, 1 << 20):
@@ -131,7 +131,7 @@ def test_slots_written_with_zlib_crc_still_verify(tier_config, monkeypatch):
         assert checksum(buf) == zlib.crc32(buf) and checksum(buf[3:]) == zlib.crc32(buf[3:])
     cfg = tier_config(io_block_mb=1)
     with monkeypatch.context() as m:
-        m.setattr(ssd_tier, "checksum", zlib.crc32)
+        m.setattr(ssd_io, "checksum", zlib.crc32)
         t = SSDTier(cfg, CHUNK)
         assert put(t, "old", payload(11))
         t.close()
@@ -152,7 +152,7 @@ def test_truncated_slot_is_a_miss(tier):
 
 def test_slot_holding_another_key_is_a_miss(tier):
     assert put(tier, "a", payload(1)) and put(tier, "b", payload(2))
-    ea, eb = tier._index["a"], tier._index["b"]
+    ea, eb = tier.index.get("a"), tier.index.get("b")
     ea.slot, eb.slot = eb.slot, ea.slot  # index points each key at the other's slot
     assert get(tier, "a") is None and get(tier, "b") is None
     assert tier.stats.corrupt == 2
@@ -236,7 +236,7 @@ def test_backpressure_drops_are_counted_not_silent(tier_config, monkeypatch):
     t = SSDTier(tier_config(max_inflight_write_mb=1, backpressure_timeout_s=0.2), 1 << 20)
     gate = threading.Event()
     real = t._write_batch
-    monkeypatch.setattr(t, "_write_batch", lambda batch: (gate.wait(10), real(batch)))
+    monkeypatch.setattr(t, "_write_batch", lambda batch: (gate.wait(10), real(batch))[1])
     data = payload(1, 1 << 20)
     assert t.submit_put("a", meta(1 << 20), memoryview(data), lambda ok: None)
     assert not t.submit_put("b", meta(1 << 20), memoryview(data), lambda ok: None)  # waits 0.2 s, then drops
@@ -250,7 +250,7 @@ def test_disk_full_keeps_serving_and_evicts_within_allocated_space(tier_config, 
     cfg = tier_config(ssd_capacity_gb=0.01, grow_step_mb=1)
     t = SSDTier(cfg, CHUNK)
     try:
-        step = t.files.grow_step_slots
+        step = t.io.files.grow_step_slots
         real = os.posix_fallocate
         calls = []
 
@@ -307,7 +307,7 @@ def test_journal_torn_tail_is_cut(tier_config):
     for i in range(3):
         assert put(t, f"k{i}", payload(i))
     t.close()
-    jpath = t.journal.path
+    jpath = t.io.journal.path
     with open(jpath, "ab") as f:
         f.write(b"\x40\x00\x00\x00garbage")
     t2 = SSDTier(cfg, CHUNK)
@@ -324,8 +324,8 @@ def test_rebuild_of_many_slots_is_fast(tier_config):
 
     cfg = tier_config(ssd_capacity_gb=20_000 * (4096 * 2) / (1 << 30) + 0.001, o_direct=False)
     t = SSDTier(cfg, 4096)
-    t.files.ensure(19_999)
-    d, jp = t.directory, t.journal.path
+    t.io.files.ensure(19_999)
+    d, jp = t.directory, t.io.journal.path
     t.close()
     j = Journal(jp)
     j.append([CommitRecord(i, i + 1, f"key{i}", 10, (10,), "torch.uint8", "KV_2LTD", 1 << 20) for i in range(20_000)],

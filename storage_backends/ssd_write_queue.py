@@ -1,0 +1,99 @@
+"""The SSD tier's write queue: chunks waiting for the writer thread, bounded in bytes, with back-pressure.
+
+`submit` queues a chunk unless the same key is already stored or queued (checked again after every wait, so two
+threads storing one key never both get through); when the queued bytes would exceed the bound it waits up to the
+timeout for the writer to drain, then drops the chunk (counted, never silent). The writer `take`s batches and marks
+them `done`; `flush` waits until nothing is queued or being written.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class PutTask:
+    key: str
+    meta: Any  # ChunkMeta
+    buf: memoryview
+    on_done: Callable[[bool], None]
+    submitted: float
+
+
+class Submitted(enum.Enum):
+    QUEUED = "queued"
+    DUPLICATE = "duplicate"
+    BACKPRESSURE = "backpressure"
+    CLOSED = "closed"
+
+
+class WriteQueue:
+    def __init__(self, max_bytes: int, timeout_s: float, is_stored: Callable[[str], bool]) -> None:
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self._is_stored = is_stored
+        self._cond = threading.Condition()
+        self._pending: dict[str, PutTask] = {}  # queued or being written
+        self._queue: collections.deque[PutTask] = collections.deque()
+        self.inflight_bytes = 0
+        self.closed = False
+
+    def submit(self, task: PutTask) -> Submitted:
+        deadline = time.monotonic() + self.timeout_s
+        n = task.meta.nbytes
+        with self._cond:
+            while True:
+                if self.closed:
+                    return Submitted.CLOSED
+                if task.key in self._pending or self._is_stored(task.key):
+                    return Submitted.DUPLICATE
+                if not self.inflight_bytes or self.inflight_bytes + n <= self.max_bytes:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return Submitted.BACKPRESSURE
+                self._cond.wait(left)
+            self._pending[task.key] = task
+            self._queue.append(task)
+            self.inflight_bytes += n
+            self._cond.notify_all()
+            return Submitted.QUEUED
+
+    def take(self, max_tasks: int) -> list[PutTask]:
+        """The next batch for the writer (waits for one); [] once closed and drained."""
+        with self._cond:
+            while not self._queue and not self.closed:
+                self._cond.wait()
+            return [self._queue.popleft() for _ in range(min(len(self._queue), max_tasks))]
+
+    def done(self, tasks: list[PutTask]) -> None:
+        with self._cond:
+            for t in tasks:
+                if self._pending.get(t.key) is t:
+                    del self._pending[t.key]
+                self.inflight_bytes -= t.meta.nbytes
+            self._cond.notify_all()
+
+    def is_pending(self, key: str) -> bool:
+        with self._cond:
+            return key in self._pending
+
+    def flush(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
