@@ -187,8 +187,11 @@ class WorkerSide:
         if op == "flush":
             return {"ok": bool(self.ssd.flush(float(req.get("timeout", 60))))}
         if op == "stats":
+            policy_stats = getattr(self.ssd.tier.policy, "stats", None)
             return {"ssd": self.ssd.tier.stats.as_dict(), "ssd_chunks": len(self.ssd.tier),
-                    "host_chunks": len(self.host.hot_cache)}
+                    "host_chunks": len(self.host.hot_cache),
+                    "ssd_policy": {"name": self.ssd.tier.policy.name,
+                                   **(policy_stats() if callable(policy_stats) else {})}}
         raise ValueError(f"unknown op {op!r}")
 
     def _chunks(self, tokens: list[int]) -> list[tuple[int, int, Any]]:

@@ -161,7 +161,7 @@ def runs(tmp_path_factory):
     convs = [[[rng.randrange(1, 1000) for _ in range(n)] for n in (70, 40, 30)] for _ in range(4)]
     base = {"model": str(model), "conversations": convs, "max_tokens": 16, "schedule": SCHEDULE}
     ssd = work / "ssd"
-    yaml_path = lmcache_yaml(work, ssd, host_chunks=4)
+    yaml_path = lmcache_yaml(work, ssd, host_chunks=4, extra="  kvtier.eviction_policy: answer-length\n")
     out = {"work": work, "convs": convs, "yaml": yaml_path}
     out["baseline"] = run_engine(work, "baseline", base)
     out["run1"] = run_engine(work, "run1", dict(base, kv_transfer_config=kv_config(
@@ -291,10 +291,14 @@ def test_preempted_request_resumes_from_the_host_tier(runs):
 
 
 def test_answer_length_feedback_reaches_storage(runs):
-    m = runs["run1"]["metrics"]
+    r1 = runs["run1"]
+    n = sum(len(b) for b in SCHEDULE)
     # every finished request's answer length goes to the storage side with the next engine step; the last
-    # request of the run has no next step
-    assert m.get("kvtier_connector_answer_feedback_total", 0) >= sum(len(b) for b in SCHEDULE) - 1
+    # request of the run has no next step. The SSD tier's answer-length policy itself must have matched each one
+    # to the session it inferred from the lookups (not only the connector counting that it sent them).
+    assert r1["metrics"].get("kvtier_connector_answer_feedback_total", 0) >= n - 1
+    assert r1["storage"]["ssd_policy"]["name"] == "answer-length"
+    assert n - 1 <= r1["storage"]["ssd_policy"]["answers"] <= n, r1["storage"]
 
 
 def test_bad_config_stops_engine_at_start(runs, tmp_path):

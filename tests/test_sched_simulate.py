@@ -275,10 +275,17 @@ def test_calibration_hits_the_target_load(trace):
 def test_every_production_eviction_policy_runs_in_the_simulator(trace):
     from kvtier.storage_backends.eviction import production_policy_names
 
-    reqs = load_trace(trace[0])[:60]
-    for name in production_policy_names():
-        res = simulate(reqs, SimConfig(scheduler="dual-queue", eviction=name, host_bytes=10**9, time_scale=0.5))
-        assert res.completed == len(reqs), name
+    reqs = load_trace(trace[0])[:80]
+    total = sum(r.input_tokens for r in reqs)
+    block_bytes = 512 * COST.kv_bytes_per_token
+    for name in production_policy_names():  # a GPU prefix cache of 64 blocks, a host tier of 24
+        res = simulate(reqs, SimConfig(scheduler="dual-queue", eviction=name, host_bytes=24 * block_bytes,
+                                       gpu_kv_tokens=64 * 512, time_scale=0.5))
+        assert res.completed == len(reqs) and res.eviction == name, name
+        # every prompt token is accounted for exactly once (a fully cached prompt still computes one token), and
+        # the host tier both served history and had to evict it to SSD (the policy really governed it)
+        assert total <= sum(res.tokens.values()) <= total + len(reqs), (name, res.tokens)
+        assert res.tokens["host"] > 0 and res.ssd_write_gb > 0, (name, res.tokens)
 
 
 def test_profiles_are_documented_numbers():

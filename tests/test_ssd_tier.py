@@ -317,8 +317,8 @@ def test_journal_torn_tail_is_cut(tier_config):
         t2.close()
 
 
-def test_rebuild_of_many_slots_is_fast(tier_config):
-    """100k committed records rebuild quickly (the benchmark times it; here we check correctness at 20k)."""
+def test_rebuild_of_many_slots(tier_config):
+    """20k committed records rebuild into exactly 20k chunks (benchmarks/ssd_tier.py times 100k)."""
     from kvtier.storage_backends.journal import Journal
     from kvtier.storage_backends.slot_format import CommitRecord
 
@@ -333,7 +333,8 @@ def test_rebuild_of_many_slots_is_fast(tier_config):
     j.close()
     t2 = SSDTier(cfg, 4096)
     try:
-        assert len(t2) == 20_000 and t2.rebuild_seconds < 5
+        assert len(t2) == 20_000 and t2.index.get("key19999").slot == 19_999
+        t2.index.check_invariants()
     finally:
         t2.close()
 

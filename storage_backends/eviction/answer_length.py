@@ -208,6 +208,7 @@ class AnswerLengthPolicy(EvictionPolicy):
         self._lb_bucket = [0] * (len(ANSWER_EDGES) + 1)
         self._evict_ages = [0.0] * (len(self.buckets) + 1)  # decayed histogram of eviction ages (bucketed)
         self._req_seq = 0
+        self._answers = 0
         self._since_refresh = 0
         self._used = 0
         self._hwm = 0
@@ -444,6 +445,7 @@ class AnswerLengthPolicy(EvictionPolicy):
                 del self._ctx[k]
         s = self.sessions.session_of_chain(chain)
         if s is not None:
+            self._answers += 1
             s.answer_tokens = int(answer_tokens)
             cls = self._hist_class(s.depth, s.answer_tokens, s.new_blocks)
             self.reuse.cancel(s.item)
@@ -668,6 +670,7 @@ class AnswerLengthPolicy(EvictionPolicy):
     def stats(self) -> dict:
         return {
             "mode": self.mode,
+            "answers": self._answers,  #: finished requests whose answer length reached a known session
             "mode_switches": self._switches,
             "ghost_runs": self.ghost.runs,
             "ghost_hit_prob": [round(x, 3) for x in self.ghost.hit_prob],
