@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -157,11 +158,18 @@ class SchedulerSide:
 
     def _lookup(self, st: _Req, tokens: list[int], pin: bool, first: bool = False) -> LookupResult:
         self.counters["lookups"] += 1
+        msg = {"op": "lookup", "rid": st.request.request_id, "tokens": tokens, "pin": pin, "first": first}
+        # Answers of requests finished since the last engine step travel ahead of a new request's first lookup:
+        # on an idle engine the next step only comes with the next request, and a conversation's next turn must
+        # not reach the eviction policies before the answer of the turn it follows.
+        sent, self.finished = (self.finished, []) if first else ([], self.finished)
+        if sent:
+            msg["finished"] = [dataclasses.asdict(f) for f in sent]
         try:
-            reps = self.client.call({"op": "lookup", "rid": st.request.request_id, "tokens": tokens, "pin": pin,
-                                     "first": first})
+            reps = self.client.call(msg)
         except RPCError as e:
             self.counters["rpc_errors"] += 1
+            self.finished = sent + self.finished  # they go with the next step's metadata instead
             logger.warning("kvtier: lookup failed (%s); treated as a miss", e)
             return LookupResult()
         return LookupResult.combine([LookupResult.from_dict(r) for r in reps])

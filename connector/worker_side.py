@@ -171,6 +171,8 @@ class WorkerSide:
         if op == "ping":
             return {"ok": True, "rank": self.rank, "chunk_size": self.cfg.chunk_size}
         if op == "lookup":
+            if req.get("finished"):
+                self._feedback([FinishedSpec(**d) for d in req["finished"]])
             return self.lookup(str(req["rid"]), list(req["tokens"]), bool(req.get("pin")),
                                bool(req.get("first"))).to_dict()
         if op == "prefetch":
@@ -309,7 +311,9 @@ class WorkerSide:
         for f in finished:
             self.release(f.req_id)
             try:
-                session_signals.request_finished(self._full_chain(f.token_ids), f.answer_tokens)
+                # the chain the request was announced with (its prompt's full chunks): the policies match the
+                # answer to that session; the answer's own chunks belong to the next turn's prompt
+                session_signals.request_finished(self._full_chain(f.token_ids[:f.prompt_tokens]), f.answer_tokens)
                 M.FEEDBACK.inc()
                 self.stats.add(feedback=1)
             except Exception:
