@@ -48,51 +48,10 @@ def lmcache_yaml(tmp_path):
     return make
 
 
-class SSDKit:
-    """Helpers for SSD-tier tests: deterministic payloads, blocking put/get, invariant checks."""
-
-    @staticmethod
-    def payload(seed: int, n: int):
-        import numpy as np
-
-        return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-    @staticmethod
-    def meta(n: int, fmt: str = "KV_2LTD"):
-        from kvtier.storage_backends.ssd_index import ChunkMeta
-
-        return ChunkMeta(n, (n,), "torch.uint8", fmt)
-
-    @classmethod
-    def put(cls, tier, key: str, data, fmt: str = "KV_2LTD") -> bool:
-        done: list[bool] = []
-        ok = tier.submit_put(key, cls.meta(len(data), fmt), memoryview(data), done.append)
-        assert tier.flush(30)
-        return ok and done == [True]
-
-    @staticmethod
-    def get(tier, key: str):
-        """The chunk's bytes (a numpy array), or None for a miss."""
-        import numpy as np
-
-        bufs = {}
-
-        def alloc(k, m):
-            bufs[k] = np.zeros(m.nbytes, dtype=np.uint8)
-            return memoryview(bufs[k]), k
-
-        res = tier.read_batch([key], alloc, lambda h: None)[0]
-        return None if res is None else bufs[key]
-
-    @classmethod
-    def fill_fresh(cls, tier, prefix: str, n: int) -> int:
-        """Store `n` new chunks and return how many committed: proves the tier's full capacity is usable."""
-        ok = 0
-        for i in range(n):
-            ok += cls.put(tier, f"{prefix}{i}", cls.payload(10_000 + i, tier.chunk_bytes))
-        return ok
-
 
 @pytest.fixture
 def ssd():
-    return SSDKit
+    """Helpers for SSD-tier tests (`kvtier.tools.ssd_testing`)."""
+    from kvtier.tools import ssd_testing
+
+    return ssd_testing

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import struct
-import zlib
 
 import msgspec
 import numpy as np
@@ -21,6 +19,7 @@ import numpy as np
 from kvtier.storage_backends.config import parse_kvtier_config
 from kvtier.storage_backends.slot_format import HEADER_SIZE
 from kvtier.storage_backends.ssd_tier import SSDTier
+from kvtier.tools.ssd_testing import frame, record_spans
 
 CHUNK = 3 * 4096 + 77
 SLOTS = 40
@@ -33,23 +32,9 @@ def _cfg(path):
                                 "kvtier.io_block_mb": 1, "kvtier.durable_writes": False})
 
 
-def _spans(data: bytes):
-    out, pos = [], 0
-    while pos + 8 <= len(data):
-        n, _ = struct.unpack_from("<II", data, pos)
-        out.append((pos, pos + 8 + n))
-        pos += 8 + n
-    return out
-
-
 def _decode(data: bytes, span):
     lo, hi = span
     return msgspec.msgpack.decode(data[lo + 8:hi])  # ["C", slot, gen, key, ...] or ["F", slot, gen]
-
-
-def _frame(obj) -> bytes:
-    p = msgspec.msgpack.encode(obj)
-    return struct.pack("<II", len(p), zlib.crc32(p)) + p
 
 
 def test_corruption_fuzz(tmp_path, ssd):
@@ -73,7 +58,7 @@ def test_corruption_fuzz(tmp_path, ssd):
     sfile = os.path.basename(t.io.files.path(0))
     t.close()
     journal = open(os.path.join(base, jname), "rb").read()
-    spans = _spans(journal)
+    spans = record_spans(journal)
     owner = {s: k for k, s in slot_of.items()}
 
     def names(span) -> set[str]:
@@ -124,7 +109,7 @@ def test_corruption_fuzz(tmp_path, ssd):
             i = rng.randrange(len(spans))
             rec = journal[spans[i][0]:spans[i][1]]
             rest = journal if kind == "duplicate" else journal[:spans[i][0]] + journal[spans[i][1]:]
-            at = rng.choice([s[0] for s in _spans(rest)] + [len(rest)])
+            at = rng.choice([s[0] for s in record_spans(rest)] + [len(rest)])
             open(jpath, "wb").write(rest[:at] + rec + rest[at:])
             if kind == "move":
                 allowed = names(spans[i])
@@ -136,7 +121,7 @@ def test_corruption_fuzz(tmp_path, ssd):
             key = rng.choice(["crafted", "k1", "k3"])
             rec = (["C", slot, gen, key, nbytes, [nbytes], "torch.uint8", "KV_2LTD", seg, {}]
                    if rng.random() < 0.8 else ["F", slot, gen])
-            open(jpath, "ab").write(_frame(rec))
+            open(jpath, "ab").write(frame(rec))
             allowed = {key, owner.get(slot, "")}
         try:
             t = SSDTier(_cfg(work), CHUNK)

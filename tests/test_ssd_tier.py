@@ -14,34 +14,20 @@ pytestmark = pytest.mark.compat
 
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.ssd_tier import ChunkMeta, DirectoryInUse, SSDTier
+from kvtier.tools import ssd_testing
 
 CHUNK = 3 * 4096 + 100  # deliberately not a multiple of the 4 KiB block
 
 
 def payload(seed: int, n: int = CHUNK) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return ssd_testing.payload(seed, n)
 
 
 def meta(n: int = CHUNK, fmt: str = "KV_2LTD") -> ChunkMeta:
-    return ChunkMeta(n, (n,), "torch.uint8", fmt)
+    return ssd_testing.meta(n, fmt)
 
 
-def put(tier: SSDTier, key: str, data: np.ndarray, fmt: str = "KV_2LTD") -> bool:
-    done = []
-    ok = tier.submit_put(key, meta(len(data), fmt), memoryview(data), done.append)
-    assert tier.flush(30)
-    return ok and done == [True]
-
-
-def get(tier: SSDTier, key: str, n: int = CHUNK):
-    bufs = {}
-
-    def alloc(k, m):
-        bufs[k] = np.zeros(m.nbytes, dtype=np.uint8)
-        return memoryview(bufs[k]), k
-
-    res = tier.read_batch([key], alloc, lambda h: None)[0]
-    return None if res is None else bufs[key]
+put, get = ssd_testing.put, ssd_testing.get
 
 
 @pytest.fixture
@@ -325,7 +311,7 @@ def test_rebuild_of_many_slots(tier_config):
     cfg = tier_config(ssd_capacity_gb=20_000 * (4096 * 2) / (1 << 30) + 0.001, o_direct=False)
     t = SSDTier(cfg, 4096)
     t.io.files.ensure(19_999)
-    d, jp = t.directory, t.io.journal.path
+    jp = t.io.journal.path
     t.close()
     j = Journal(jp)
     j.append([CommitRecord(i, i + 1, f"key{i}", 10, (10,), "torch.uint8", "KV_2LTD", 1 << 20) for i in range(20_000)],
