@@ -143,6 +143,7 @@ class KVTierBackend(StoragePluginInterface):
                                 on_complete_callback: Optional[Callable[[CacheEngineKey], None]] = None) -> None:
         if self.tier is None:
             return None
+        puts = []
         for key, obj in zip(keys, objs, strict=True):
             extra = {}
             cached = getattr(obj.metadata, "cached_positions", None)
@@ -151,8 +152,9 @@ class KVTierBackend(StoragePluginInterface):
             meta = ChunkMeta(obj.get_size(), tuple(obj.get_shape()), str(obj.get_dtype()),
                              obj.get_memory_format().name, extra)
             obj.ref_count_up()
-            if not self.tier.submit_put(key.to_string(), meta, obj.byte_array,
-                                        self._on_put_done(key, obj, on_complete_callback)):
+            puts.append((key.to_string(), meta, obj.byte_array, self._on_put_done(key, obj, on_complete_callback)))
+        for obj, queued in zip(objs, self.tier.submit_puts(puts)):
+            if not queued:
                 obj.ref_count_down()
         return None
 

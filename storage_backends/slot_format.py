@@ -7,6 +7,7 @@ and is written only after the slot's data and header are durable. Encoding is ms
 
 Nothing read from disk is trusted: a header or record whose fields are out of range (a negative slot, a zero
 segment size, a CRC count that does not match the size...) fails to decode exactly like one with a bad checksum.
+msgspec checks the ranges on decode; `encode_record` and `encode_header` refuse what would not decode again.
 `decode_records` resynchronises after a damaged record instead of stopping there, so one flipped byte costs at most
 the record it hits.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgspec
 from isal.isal_zlib import crc32 as _isal_crc32
@@ -34,66 +36,49 @@ _SEG_ALIGN = 4096
 MAX_GENERATION = 1 << 62
 
 
-def _check_chunk_fields(key: str, gen: int, nbytes: int, shape: tuple[int, ...], dtype: str, fmt: str,
-                        seg: int) -> None:
-    if not key:
-        raise ValueError("empty key")
-    if not 1 <= gen < MAX_GENERATION:
-        raise ValueError(f"generation {gen} out of range")
-    if nbytes < 0:
-        raise ValueError(f"negative size {nbytes}")
-    if any(d < 0 for d in shape):
-        raise ValueError(f"negative dimension in shape {shape}")
-    if not dtype or not fmt:
-        raise ValueError("empty dtype or format")
-    if seg <= 0 or seg % _SEG_ALIGN or seg > MAX_SEGMENT_BYTES:
-        raise ValueError(f"segment size {seg} out of range")
+# Field ranges, checked by msgspec in C while decoding (a record or header out of range does not decode).
+Slot = Annotated[int, msgspec.Meta(ge=0)]
+Gen = Annotated[int, msgspec.Meta(ge=1, lt=MAX_GENERATION)]
+Size = Annotated[int, msgspec.Meta(ge=0)]
+Dim = Annotated[int, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(min_length=1)]
+Seg = Annotated[int, msgspec.Meta(gt=0, le=MAX_SEGMENT_BYTES, multiple_of=_SEG_ALIGN)]
 
 
 class SlotHeader(msgspec.Struct, array_like=True, frozen=True):
     version: int
-    key: str
-    gen: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    fmt: str
-    seg: int
+    key: Name
+    gen: Gen
+    nbytes: Size
+    shape: tuple[Dim, ...]
+    dtype: Name
+    fmt: Name
+    seg: Seg
     crcs: tuple[int, ...]
     extra: dict[str, object] = {}
 
     def __post_init__(self) -> None:
         if self.version != FORMAT_VERSION:
             raise ValueError(f"slot format version {self.version}, expected {FORMAT_VERSION}")
-        _check_chunk_fields(self.key, self.gen, self.nbytes, self.shape, self.dtype, self.fmt, self.seg)
         if len(self.crcs) != segment_count(self.nbytes, self.seg):
             raise ValueError(f"{len(self.crcs)} checksums for {self.nbytes} bytes in {self.seg}-byte segments")
 
 
 class CommitRecord(msgspec.Struct, tag="C", array_like=True, frozen=True):
-    slot: int
-    gen: int
-    key: str
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    fmt: str
-    seg: int
+    slot: Slot
+    gen: Gen
+    key: Name
+    nbytes: Size
+    shape: tuple[Dim, ...]
+    dtype: Name
+    fmt: Name
+    seg: Seg
     extra: dict[str, object] = {}
-
-    def __post_init__(self) -> None:
-        if self.slot < 0:
-            raise ValueError(f"negative slot {self.slot}")
-        _check_chunk_fields(self.key, self.gen, self.nbytes, self.shape, self.dtype, self.fmt, self.seg)
 
 
 class FreeRecord(msgspec.Struct, tag="F", array_like=True, frozen=True):
-    slot: int
-    gen: int
-
-    def __post_init__(self) -> None:
-        if self.slot < 0 or not 1 <= self.gen < MAX_GENERATION:
-            raise ValueError(f"free record out of range (slot {self.slot}, generation {self.gen})")
+    slot: Slot
+    gen: Gen
 
 
 JournalRecord = CommitRecord | FreeRecord
@@ -130,6 +115,10 @@ def segments(nbytes: int, seg: int) -> list[tuple[int, int]]:
 def encode_header(h: SlotHeader, out: memoryview) -> None:
     """Write `h` into the first HEADER_SIZE bytes of `out` (zero-padded). ValueError if it does not fit."""
     payload = _enc.encode(h)
+    try:
+        _hdr_dec.decode(payload)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"slot header out of range: {e}") from None
     if _HDR_FRAME.size + len(payload) > HEADER_SIZE:
         raise ValueError(f"slot header too large ({len(payload)} bytes): key or shape too long")
     out[:HEADER_SIZE] = b"\0" * HEADER_SIZE
@@ -161,7 +150,12 @@ def decode_header(buf: memoryview) -> SlotHeader:
 
 
 def encode_record(rec: JournalRecord) -> bytes:
+    """Frame a record; ValueError if it would not decode again (a field out of range)."""
     payload = _enc.encode(rec)
+    try:
+        _rec_dec.decode(payload)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"journal record out of range: {e}") from None
     return _REC_FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
@@ -198,13 +192,21 @@ def decode_records(data: bytes) -> DecodedJournal:
     there (the damaged bytes are reported); damage with no valid record after it is the tail."""
     out = DecodedJournal()
     pos, n = 0, len(data)
+    records, unpack, crc32, decode, frame = out.records, _REC_FRAME.unpack_from, zlib.crc32, _rec_dec.decode, \
+        _REC_FRAME.size
     while pos < n:
-        got = _record_at(data, pos)
-        if got is not None:
-            out.records.append(got[0])
-            pos = got[1]
-            out.valid_end = pos
-            continue
+        if pos + frame <= n:  # the common case, inline: a valid record at pos
+            length, crc = unpack(data, pos)
+            end = pos + frame + length
+            if 0 < length <= MAX_RECORD_BYTES and end <= n:
+                payload = data[pos + frame:end]
+                if crc32(payload) == crc:
+                    try:
+                        records.append(decode(payload))
+                        pos = out.valid_end = end
+                        continue
+                    except (msgspec.DecodeError, ValueError):
+                        pass
         nxt = next((p for p in range(pos + 1, n - _REC_FRAME.size + 1) if _record_at(data, p) is not None), None)
         if nxt is None:
             break

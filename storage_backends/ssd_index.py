@@ -168,11 +168,13 @@ class SlotIndex:
             # Capacity may have shrunk since the last run (or a file was cut short): drop what no longer fits,
             # oldest first.
             dropped = 0
-            for key, e in list(entries.items()):
-                if e.slot >= self.capacity or len(entries) > self.capacity or not is_allocated(e.slot):
-                    del entries[key]
-                    del owner[e.slot]
-                    dropped += 1
+            top = max(owner, default=-1)
+            if top >= self.capacity or len(entries) > self.capacity or not all(map(is_allocated, owner)):
+                for key, e in list(entries.items()):
+                    if e.slot >= self.capacity or len(entries) > self.capacity or not is_allocated(e.slot):
+                        del entries[key]
+                        del owner[e.slot]
+                        dropped += 1
             self._next_slot = max(owner, default=-1) + 1
             self._free = sorted(set(range(self._next_slot)).difference(owner))
             for key in entries:  # oldest first, as LRU wants

@@ -5,9 +5,10 @@ buffers. The LMCache plugin (`lmcache_backend.py`) and the MP-mode L2 adapter ar
 which composes three parts the way vLLM's `v1/kv_offload` splits a manager from its workers:
 - `ssd_index.SlotIndex` (no I/O): entries, pins, generations, free slots, the eviction policy, journal replay;
 - `ssd_io.SlotIO` (bytes only): slot files, segments, O_DIRECT/kvikio, CRCs, durability, the journal;
-- `ssd_write_queue.WriteQueue` between them: bounded queued bytes with back-pressure, and the writer thread here.
+- `ssd_write_queue.WriteQueue` between them: bounded queued bytes with back-pressure, drained by two writer
+  threads here (one's data goes to the disk while the other syncs and commits).
 
-Write path: `submit_put` queues the chunk; the writer reserves a slot (evicting through the policy if the tier is
+Write path: `submit_put(s)` queues the chunk(s); a writer reserves a slot (evicting through the policy if the tier is
 full), writes data then header, `fdatasync`s, appends the COMMIT record to the journal and fsyncs it; only then is
 the chunk in the index (visible to readers) and `on_done(True)` called. Read path: header and segments straight
 into the destination, verified against key, generation, metadata and CRCs, or a miss (slot freed, counted).
@@ -38,10 +39,14 @@ __all__ = ["ChunkMeta", "DirectoryInUse", "SSDTier", "TierStats"]
 
 logger = logging.getLogger(__name__)
 
-#: chunks the writer takes per batch (one fdatasync and one journal append each)
+#: chunks a writer takes per batch (one fdatasync and one journal append each)
 _BATCH = 16
+#: writer threads: while one syncs and commits its batch, the other's data is already on its way to the disk
+_WRITERS = 2
 #: after a full disk lowered the slot budget, how often a store tries to grow the files again
 DISK_FULL_RETRY_S = 10.0
+#: the journal is rewritten once it holds more than 4 records per live chunk plus this many
+COMPACT_SLACK = 10_000
 
 
 class SSDTier:
@@ -106,8 +111,12 @@ class SSDTier:
         logger.info("SSD tier at %s: %d committed chunks found (index rebuilt in %.3f s), capacity %d slots of "
                     "%.1f MiB, I/O engine %s", self.directory, len(self.index), self.rebuild_seconds, max_slots,
                     self.slot_size / (1 << 20), self.io_engine)
-        self._writer = threading.Thread(target=self._write_loop, name="kvtier-ssd-writer", daemon=True)
-        self._writer.start()
+        self._commit_lock = threading.Lock()  # journal appends + index commits vs. journal compaction
+        self._reserve_lock = threading.Lock()  # slot reservation and file growth
+        self._writers = [threading.Thread(target=self._write_loop, name=f"kvtier-ssd-writer-{i}", daemon=True)
+                         for i in range(_WRITERS)]
+        for w in self._writers:
+            w.start()
 
     # ------------------------------------------------------------------ start-up
     def _rebuild(self) -> None:
@@ -175,28 +184,40 @@ class SSDTier:
     def submit_put(self, key: str, meta: ChunkMeta, buf: memoryview, on_done: Callable[[bool], None]) -> bool:
         """Queue a chunk for writing. Returns False (and never calls on_done) when the chunk is not queued:
         already stored or queued, too large for a slot, or dropped after back-pressure timed out."""
-        buf = bytes_view(buf)
-        if (meta.nbytes > self.slot_size - HEADER_SIZE or len(buf) < meta.nbytes
-                or not header_fits(key, tuple(meta.shape), meta.dtype, meta.fmt, meta.nbytes, self.seg, meta.extra)):
-            self._count_drop("too_large")
-            self.io.episodes.occurred("too_large", logging.WARNING, "chunk %s (%d bytes, %d-byte key) does not fit "
-                                      "a %d-byte slot and its 4 KiB header; not stored on SSD", key, meta.nbytes,
-                                      len(key.encode()), self.slot_size - HEADER_SIZE)
-            return False
-        verdict = self.queue.submit(PutTask(key, meta, buf, on_done, time.monotonic()))
-        if verdict is Submitted.QUEUED:
-            M.SSD_INFLIGHT_WRITE_BYTES.set(self.queue.inflight_bytes)
-            return True
-        if verdict is Submitted.DUPLICATE:
-            with self.index.lock:
-                self.stats.duplicate_puts += 1
-        elif verdict is Submitted.BACKPRESSURE:
-            self._count_drop("backpressure")
-            self.io.episodes.occurred("backpressure", logging.WARNING, "SSD writes cannot keep up: dropping chunks "
-                                      "after waiting %.1f s (kvtier.backpressure_timeout_s); counted in "
-                                      "kvtier_ssd_dropped_puts_total{reason=backpressure}",
-                                      self.config.backpressure_timeout_s)
-        return False
+        return self.submit_puts([(key, meta, buf, on_done)])[0]
+
+    def submit_puts(self, puts: Sequence[tuple[str, ChunkMeta, memoryview, Callable[[bool], None]]]) -> list[bool]:
+        """`submit_put` for several chunks at once (one store of LMCache): the writers see them together."""
+        now = time.monotonic()
+        tasks: list[PutTask | None] = []
+        for key, meta, buf, on_done in puts:
+            buf = bytes_view(buf)
+            if (meta.nbytes > self.slot_size - HEADER_SIZE or len(buf) < meta.nbytes
+                    or not header_fits(key, tuple(meta.shape), meta.dtype, meta.fmt, meta.nbytes, self.seg,
+                                       meta.extra)):
+                self._count_drop("too_large")
+                self.io.episodes.occurred("too_large", logging.WARNING, "chunk %s (%d bytes, %d-byte key) does not "
+                                          "fit a %d-byte slot and its 4 KiB header; not stored on SSD", key,
+                                          meta.nbytes, len(key.encode()), self.slot_size - HEADER_SIZE)
+                tasks.append(None)
+                continue
+            tasks.append(PutTask(key, meta, buf, on_done, now))
+        verdicts = iter(self.queue.submit_many([t for t in tasks if t is not None]))
+        out = []
+        for t in tasks:
+            verdict = Submitted.CLOSED if t is None else next(verdicts)
+            out.append(verdict is Submitted.QUEUED)
+            if verdict is Submitted.DUPLICATE:
+                with self.index.lock:
+                    self.stats.duplicate_puts += 1
+            elif verdict is Submitted.BACKPRESSURE:
+                self._count_drop("backpressure")
+                self.io.episodes.occurred("backpressure", logging.WARNING, "SSD writes cannot keep up: dropping "
+                                          "chunks after waiting %.1f s (kvtier.backpressure_timeout_s); counted in "
+                                          "kvtier_ssd_dropped_puts_total{reason=backpressure}",
+                                          self.config.backpressure_timeout_s)
+        M.SSD_INFLIGHT_WRITE_BYTES.set(self.queue.inflight_bytes)
+        return out
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write has committed or failed."""
@@ -239,8 +260,9 @@ class SSDTier:
         reservations: list[Reservation | None] = []
         settled: set[int] = set()  # reservations committed or given back
         try:
-            for _ in batch:
-                reservations.append(self._reserve())
+            with self._reserve_lock:
+                for _ in batch:
+                    reservations.append(self._reserve())
             writes = [SlotWrite(t.key, r.slot, r.gen, t.meta, t.buf[:t.meta.nbytes])
                       for t, r in zip(batch, reservations) if r is not None]
             verdicts = iter(self.io.write(writes))
@@ -248,29 +270,31 @@ class SSDTier:
             commits = [CommitRecord(r.slot, r.gen, t.key, t.meta.nbytes, tuple(t.meta.shape), t.meta.dtype,
                                     t.meta.fmt, self.seg, t.meta.extra)
                        for t, r, why in zip(batch, reservations, reasons) if r is not None and why is None]
-            if commits:
-                try:
-                    self.io.commit(commits)
-                    self.io.episodes.cleared("journal", "SSD journal appends succeed again")
-                except OSError as e:
-                    self.io.episodes.occurred("journal", logging.ERROR, "SSD journal append failed under %s (%s); "
-                                              "chunks are not stored (kvtier_ssd_dropped_puts_total)",
-                                              self.directory, e)
-                    with self.index.lock:
-                        self.stats.journal_write_errors += 1
-                    reasons = ["io_error" if why is None else why for why in reasons]
-            results = []
+            results = [False] * len(batch)
+            with self._commit_lock:  # a compaction's snapshot never misses a COMMIT already in the journal
+                if commits:
+                    try:
+                        self.io.commit(commits)
+                        self.io.episodes.cleared("journal", "SSD journal appends succeed again")
+                    except OSError as e:
+                        self.io.episodes.occurred("journal", logging.ERROR, "SSD journal append failed under %s "
+                                                  "(%s); chunks are not stored (kvtier_ssd_dropped_puts_total)",
+                                                  self.directory, e)
+                        with self.index.lock:
+                            self.stats.journal_write_errors += 1
+                        reasons = ["io_error" if why is None else why for why in reasons]
+                for i, (t, r, why) in enumerate(zip(batch, reservations, reasons)):
+                    if r is not None and why is None:
+                        self.index.commit(t.key, r, t.meta, self.seg)
+                        settled.add(i)
+                        results[i] = True
             for i, (t, r, why) in enumerate(zip(batch, reservations, reasons)):
-                if r is not None and why is None:
-                    self.index.commit(t.key, r, t.meta, self.seg)
-                    settled.add(i)
-                    results.append(True)
+                if results[i]:
                     continue
                 if r is not None:
                     self.index.unreserve(r)
                     settled.add(i)
                 self._count_drop(why or "io_error")
-                results.append(False)
             return results
         except BaseException:
             for i, r in enumerate(reservations):  # never leak a reserved slot
@@ -312,12 +336,14 @@ class SSDTier:
             return res
 
     def _maybe_compact(self) -> None:
-        """Rewrite the journal as a snapshot once dead records dominate it (writer thread, between batches, so
-        no COMMIT record is on its way to the index)."""
-        if self.io.records_written <= 4 * len(self.index) + 10_000:
+        """Rewrite the journal as a snapshot once dead records dominate it (under the commit lock, so no COMMIT
+        record is on its way from the journal to the index)."""
+        if self.io.records_written <= 4 * len(self.index) + COMPACT_SLACK:
             return
         try:
-            self.io.compact(self.index.live_records())
+            with self._commit_lock:
+                if self.io.records_written > 4 * len(self.index) + COMPACT_SLACK:
+                    self.io.compact(self.index.live_records())
         except OSError as e:
             self.io.episodes.occurred("compact", logging.WARNING, "SSD journal compaction failed (%s); will retry",
                                       e)
@@ -388,7 +414,8 @@ class SSDTier:
             return
         self._closed = True
         self.queue.close()
-        self._writer.join()
+        for w in self._writers:
+            w.join()
         self.io.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)

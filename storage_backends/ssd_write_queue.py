@@ -1,9 +1,9 @@
 """The SSD tier's write queue: chunks waiting for the writer thread, bounded in bytes, with back-pressure.
 
-`submit` queues a chunk unless the same key is already stored or queued (checked again after every wait, so two
-threads storing one key never both get through); when the queued bytes would exceed the bound it waits up to the
-timeout for the writer to drain, then drops the chunk (counted, never silent). The writer `take`s batches and marks
-them `done`; `flush` waits until nothing is queued or being written.
+`submit` / `submit_many` queue chunks unless the same key is already stored or queued (checked again after every
+wait, so two threads storing one key never both get through); when the queued bytes would exceed the bound they
+wait up to the timeout for the writers to drain, then drop the chunk (counted, never silent). Writers `take`
+batches and mark them `done`; `flush` waits until nothing is queued or being written.
 """
 
 from __future__ import annotations
@@ -44,25 +44,37 @@ class WriteQueue:
         self.closed = False
 
     def submit(self, task: PutTask) -> Submitted:
+        return self.submit_many([task])[0]
+
+    def submit_many(self, tasks: list[PutTask]) -> list[Submitted]:
+        """Queue tasks in order. The writer sees them together (one wake-up), except where one waits for room:
+        a store of several chunks then becomes one batch for the writer instead of a first chunk alone."""
         deadline = time.monotonic() + self.timeout_s
-        n = task.meta.nbytes
+        out: list[Submitted] = []
         with self._cond:
-            while True:
-                if self.closed:
-                    return Submitted.CLOSED
-                if task.key in self._pending or self._is_stored(task.key):
-                    return Submitted.DUPLICATE
-                if not self.inflight_bytes or self.inflight_bytes + n <= self.max_bytes:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return Submitted.BACKPRESSURE
-                self._cond.wait(left)
-            self._pending[task.key] = task
-            self._queue.append(task)
-            self.inflight_bytes += n
+            for task in tasks:
+                out.append(self._enqueue(task, deadline))
             self._cond.notify_all()
-            return Submitted.QUEUED
+        return out
+
+    def _enqueue(self, task: PutTask, deadline: float) -> Submitted:
+        n = task.meta.nbytes
+        while True:
+            if self.closed:
+                return Submitted.CLOSED
+            if task.key in self._pending or self._is_stored(task.key):
+                return Submitted.DUPLICATE
+            if not self.inflight_bytes or self.inflight_bytes + n <= self.max_bytes:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return Submitted.BACKPRESSURE
+            self._cond.notify_all()  # let the writers take what is already queued before this waits
+            self._cond.wait(left)
+        self._pending[task.key] = task
+        self._queue.append(task)
+        self.inflight_bytes += n
+        return Submitted.QUEUED
 
     def take(self, max_tasks: int) -> list[PutTask]:
         """The next batch for the writer (waits for one); [] once closed and drained."""
