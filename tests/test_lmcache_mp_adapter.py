@@ -390,3 +390,25 @@ def test_two_controller_threads_at_once(adapters, l1):
     a._deliver_events()
     assert not any(a.tier.is_pinned(key_string(k)) for k in keys), "a lock was not released"
     assert len(a.tier) == 24 and a.get_usage().total_bytes_used == 24 * NBYTES
+
+
+def test_check_config_accepts_the_shipped_json_and_names_bad_keys(tmp_path):
+    from kvtier.storage_backends.check_config import check
+
+    good = tmp_path / "l2.json"
+    good.write_text((open(os.path.join(REPO, "configs", "lmcache-mp-l2-kvtier.json")).read()
+                     .replace("/var/cache/kvtier", str(tmp_path / "ssd"))))
+    assert check(str(good)).startswith(f"OK: {good}: LMCache L2 adapter KVTierL2Adapter")
+    assert (tmp_path / "ssd" / SUBDIR).is_dir()
+    for change, message in [({"adapter_params": {"ssd_path": str(tmp_path), "ssd_capacity_gb": 1, "io_blocks": 8}},
+                             r"adapter_params\.io_blocks \(did you mean adapter_params\.io_block_mb\?\)"),
+                            ({"adapter_params": {"ssd_path": str(tmp_path), "ssd_capacity_gb": -1}},
+                             r"adapter_params\.ssd_capacity_gb must be > 0"),
+                            ({"class_name": "KVTierBackend"}, r"\"class_name\" must be 'KVTierL2Adapter'"),
+                            ({"type": "fs", "base_path": str(tmp_path)}, r"\"type\" must be \"plugin\"")]:
+        d = spec(tmp_path / "ssd")
+        d.update(change)
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(d))
+        with pytest.raises(ConfigError, match=message):
+            check(str(bad))
