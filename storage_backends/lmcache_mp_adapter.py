@@ -219,8 +219,8 @@ class KVTierL2Adapter(L2AdapterInterface):
         self._events_thread = threading.Thread(target=self._events_loop, name="kvtier-mp-events", daemon=True)
         try:
             saved = self._saved_chunk_bytes()
-            if saved is not None:
-                self._open_tier(saved)  # a restart: the previous run's chunks are served from the start
+            if saved is not None:  # a restart: the previous run's chunks are served from the start
+                self._open_tier(saved, strict=True)
         except BaseException:
             self._release_resources()
             raise
@@ -240,7 +240,8 @@ class KVTierL2Adapter(L2AdapterInterface):
         if not os.path.exists(path):
             return None
         try:
-            n = int(json.loads(open(path).read())["chunk_bytes"])
+            with open(path) as f:
+                n = int(json.load(f)["chunk_bytes"])
             if n <= 0:
                 raise ValueError(n)
             return n
@@ -248,14 +249,18 @@ class KVTierL2Adapter(L2AdapterInterface):
             raise ConfigError(f"adapter_params.ssd_path: {path} is unreadable ({e}); it records the slot size of "
                               f"the chunks under {self.directory}: restore it, or empty that directory") from None
 
-    def _open_tier(self, chunk_bytes: int) -> SSDTier | None:
+    def _open_tier(self, chunk_bytes: int, strict: bool = False) -> SSDTier | None:
+        """Open the tier for chunks of `chunk_bytes`. A configuration that cannot hold them raises at start
+        (`strict`); found later, with the first chunk, it is logged and the adapter stores and serves nothing."""
         with self._tier_lock:
             if self._tier is not None or self.open_error is not None:
                 return self._tier
             try:
                 tier = SSDTier(self.kvtier_config, chunk_bytes, layout_ok=_meta_ok, subdir=SUBDIR)
             except ConfigError as e:
-                self.open_error = str(e).replace("kvtier.", "adapter_params.")
+                self.open_error = _adapter_key_names(str(e))
+                if strict:
+                    raise ConfigError(self.open_error) from None
                 logger.error("kvtier L2 adapter cannot open its SSD tier: %s; it stores and serves nothing",
                              self.open_error)
                 return None
@@ -625,6 +630,15 @@ class KVTierL2Adapter(L2AdapterInterface):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _adapter_key_names(message: str) -> str:
+    """The tier names its settings `kvtier.<key>`; in MP mode the user wrote them as `adapter_params.<key>`."""
+    from kvtier.storage_backends.config import KEYS
+
+    for k in KEYS:
+        message = message.replace(f"kvtier.{k.name}", f"adapter_params.{k.name}")
+    return message
 
 
 def _show_logs() -> None:

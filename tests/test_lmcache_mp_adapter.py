@@ -412,3 +412,11 @@ def test_check_config_accepts_the_shipped_json_and_names_bad_keys(tmp_path):
         bad.write_text(json.dumps(d))
         with pytest.raises(ConfigError, match=message):
             check(str(bad))
+
+
+def test_capacity_below_one_chunk_is_reported_not_silent(adapters, l1):
+    a = adapters(ssd_capacity_gb=NBYTES / 2 / (1 << 30))
+    assert not store(a, keys_for(1), l1(1)).is_successful()
+    st = a.report_status()
+    assert not st["is_healthy"] and "adapter_params.ssd_capacity_gb" in st["error"]
+    assert lookup(a, keys_for(1)) == [False]
