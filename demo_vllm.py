@@ -12,6 +12,13 @@ id -> `--block-tokens` token ids, so the shared system-prompt block is shared he
 previous prompt + the answer the model generated + a new user message (the trace's new input, scaled). Timing is
 compressed: requests keep their trace arrival order, at most `--concurrency` are in flight, and a turn is sent only
 after the previous turn of its conversation finished. TTFT is measured per request (engine step loop driven here).
+
+Run 3 (`--lmcache-mp`, on by default) is the same engine with LMCache's multiprocess mode instead: LMCache's
+`LMCacheMPConnector` and a real `lmcache server` (L1 = the kvtier host tier's size, evicting half of itself above
+50%: LMCache's defaults, 0.8 / 0.2, leave too little room for this workload's requests, and LMCache then drops
+stores and prefetches) with LMCache's own `fs` L2 adapter on the same disk. Its engine core runs in its own process
+(LMCache's connector cannot run in-process), so its engine start is longer; vLLM reports its reuse as one number per
+request, and the L1 / L2 split comes from the server's metrics.
 """
 
 from __future__ import annotations
