@@ -1,4 +1,5 @@
-"""`kvtier demo-vllm`: the main job. Replays multi-turn conversations of the Mooncake trace through real vLLM, three times.
+"""`kvtier demo-vllm`: the main job. Replays multi-turn conversations of the Mooncake trace through real vLLM,
+three times.
 
 Run 1 is vLLM alone (its own prefix caching, with a small KV-cache budget, as on a busy server where a
 conversation's history does not stay in GPU memory between turns). Run 2 is the same engine with kvtier: the KV
