@@ -67,11 +67,11 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def adapter_specs(root: str, cap_gb: float) -> dict[str, dict]:
+def adapter_specs(root: str, cap_gb: float, kvtier_params: dict | None = None) -> dict[str, dict]:
     from kvtier.tools.lmcache_mp import kvtier_adapter_spec
 
     return {
-        KVTIER: kvtier_adapter_spec(os.path.join(root, "kvtier"), cap_gb),
+        KVTIER: kvtier_adapter_spec(os.path.join(root, "kvtier"), cap_gb, **(kvtier_params or {})),
         "fs": {"type": "fs", "base_path": os.path.join(root, "fs")},
         "fs O_DIRECT": {"type": "fs", "base_path": os.path.join(root, "fs-odirect"), "use_odirect": True},
         "fs_native": {"type": "fs_native", "base_path": os.path.join(root, "fs-native")},
@@ -160,7 +160,7 @@ class Method:
         self.adapter.close()
 
 
-def one_repeat(r: int, root: str, n_batches: int, rows: dict[str, list[float]], l1) -> None:
+def one_repeat(r: int, root: str, n_batches: int, rows: dict[str, list[float]], l1, kvtier_params: dict) -> None:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 
     layout = MemoryLayoutDesc([CHUNK_SHAPE], [torch.bfloat16])
@@ -170,7 +170,7 @@ def one_repeat(r: int, root: str, n_batches: int, rows: dict[str, list[float]], 
     for o in src:
         o.raw_data.view(torch.uint8).copy_(torch.randint(0, 256, (o.get_size(),), dtype=torch.uint8, generator=gen))
     cap = n_batches * PER_BATCH * (CHUNK_BYTES + 4096) / (1 << 30) * 1.1 + 0.01
-    specs = adapter_specs(os.path.join(root, f"r{r}"), cap)
+    specs = adapter_specs(os.path.join(root, f"r{r}"), cap, kvtier_params)
     methods = {name: Method(name, spec) for name, spec in specs.items()}
     order = list(methods)
 
@@ -214,7 +214,12 @@ def main() -> int:
     ap.add_argument("--dir", default="/var/tmp", help="directory on the disk to measure (a real disk, not tmpfs)")
     ap.add_argument("--gib", type=float, default=2.0, help="bytes stored and loaded per adapter and repeat")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kvtier", action="append", default=[], metavar="KEY=VALUE",
+                    help="an adapter_params key for kvtier's adapter, e.g. --kvtier o_direct=false (repeatable)")
     args = ap.parse_args()
+    import json
+
+    kvtier_params = {k: json.loads(v) for k, _, v in (p.partition("=") for p in args.kvtier)}
     kind = fs_type(os.path.abspath(args.dir))
     if kind in ("tmpfs", "ramfs", "overlay"):
         print(f"--dir {args.dir} is on {kind}, not a disk: choose a directory on the SSD", file=sys.stderr)
@@ -229,11 +234,12 @@ def main() -> int:
     l1 = L1MemoryManager(L1MemoryManagerConfig(2 * PER_BATCH * CHUNK_BYTES + (64 << 20), False, align_bytes=4096,
                                                shm_name=""))
     print(f"{n_batches * PER_BATCH} chunks of 32 MiB per adapter and repeat ({n_batches} interleaved batches of "
-          f"{PER_BATCH}), {args.repeats} repeats, in {root} ({kind}); cold loads, durable stores")
+          f"{PER_BATCH}), {args.repeats} repeats, in {root} ({kind}); cold loads, durable stores; kvtier "
+          f"adapter_params {kvtier_params or 'defaults'}")
     rows: dict[str, list[float]] = {}
     try:
         for r in range(args.repeats):
-            one_repeat(r, root, n_batches, rows, l1)
+            one_repeat(r, root, n_batches, rows, l1, kvtier_params)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\n{'adapter (GB/s per batch)':<28}{'median':>8}{'p10':>7}{'p90':>7}")
