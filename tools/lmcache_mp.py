@@ -81,6 +81,8 @@ class MPServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.returncode = self.proc.returncode
+                self.proc = None
+                self._log.close()
                 raise RuntimeError(f"lmcache server exited with status {self.returncode} at start; its log "
                                    f"({self.log_path}) ends:\n{self.log_tail()}")
             try:
