@@ -9,7 +9,8 @@ import sys
 
 # subcommand -> (module that defines `add_arguments(parser)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "check-config": ("kvtier.storage_backends.check_config", "load an LMCache YAML as LMCache does; fail loudly"),
+    "check-config": ("kvtier.storage_backends.check_config", "load an LMCache YAML or an `lmcache server` L2-adapter "
+                     "JSON as LMCache does; fail loudly"),
     "demo": ("kvtier.demo", "replay a multi-turn trace slice through LMCache, with and without kvtier's SSD tier"),
     "demo-vllm": ("kvtier.demo_vllm", "the main job: replay multi-turn conversations through vLLM, with and without "
                   "kvtier"),

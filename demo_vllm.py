@@ -1,4 +1,5 @@
-"""`kvtier demo-vllm`: the main job. Replays multi-turn conversations of the Mooncake trace through real vLLM, twice.
+"""`kvtier demo-vllm`: the main job. Replays multi-turn conversations of the Mooncake trace through real vLLM,
+three times.
 
 Run 1 is vLLM alone (its own prefix caching, with a small KV-cache budget, as on a busy server where a
 conversation's history does not stay in GPU memory between turns). Run 2 is the same engine with kvtier: the KV
@@ -12,6 +13,13 @@ id -> `--block-tokens` token ids, so the shared system-prompt block is shared he
 previous prompt + the answer the model generated + a new user message (the trace's new input, scaled). Timing is
 compressed: requests keep their trace arrival order, at most `--concurrency` are in flight, and a turn is sent only
 after the previous turn of its conversation finished. TTFT is measured per request (engine step loop driven here).
+
+Run 3 (`--lmcache-mp`, on by default) is the same engine with LMCache's multiprocess mode instead: LMCache's
+`LMCacheMPConnector` and a real `lmcache server` (L1 = the kvtier host tier's size, evicting half of itself above
+50%: LMCache's defaults, 0.8 / 0.2, leave too little room for this workload's requests, and LMCache then drops
+stores and prefetches) with LMCache's own `fs` L2 adapter on the same disk. Its engine core runs in its own process
+(LMCache's connector cannot run in-process), so its engine start is longer; vLLM reports its reuse as one number per
+request, and the L1 / L2 split comes from the server's metrics.
 """
 
 from __future__ import annotations
@@ -44,9 +52,12 @@ KV_BYTES_PER_TOKEN = 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads
     MODEL["hidden_size"] // MODEL["num_attention_heads"]) * 4
 PROGRESS_FD_ENV = "KVTIER_DEMO_PROGRESS_FD"
 LMCACHE_CPU_NOTE = (
-    "LMCache's own connector (LMCacheConnectorV1) is not compared here: it does not run on vLLM's CPU build (its "
-    "worker logs \"No supported cpu connector found\" and vLLM silently continues with zero hits), so that column "
-    "is absent on CPU.")
+    "LMCache's in-process connector (LMCacheConnectorV1) is not compared here: it does not run on vLLM's CPU build "
+    "(its worker logs \"No supported cpu connector found\" and vLLM silently continues with zero hits), so that "
+    "column is absent on CPU.")
+LMCACHE_MP_NOTE = (
+    "LMCache's multiprocess mode does run on CPU: the third column is vLLM + LMCache's `LMCacheMPConnector` + "
+    "`lmcache server` (L1 = the kvtier host tier's size) with LMCache's own `fs` L2 adapter on the same disk.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default="kvtier-demo.png", help="PNG plot of TTFT per turn (both runs)")
     p.add_argument("--json", default=None, help="also write all per-request results to this JSON file")
     p.add_argument("--timeout", type=float, default=420, help="seconds one engine run may take")
+    p.add_argument("--lmcache-mp", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run vLLM + LMCache's multiprocess server with LMCache's own `fs` L2 adapter (a third "
+                        "column; its L1 is the kvtier host tier's size)")
+    p.add_argument("--mp-port", type=int, default=0, help="port of that `lmcache server` (default: a free one)")
+    p.add_argument("--mp-http-port", type=int, default=0, help="its HTTP admin port (default: a free one)")
 
 
 # --------------------------------------------------------------------------------------------- workload
@@ -186,13 +202,15 @@ def engine_main(args_path: str) -> None:
         kw["kv_transfer_config"] = args["kv_transfer_config"]
     if args.get("scheduler_cls"):
         kw["scheduler_cls"] = args["scheduler_cls"]
+    if args.get("lmcache_mp_url"):
+        kw["distributed_executor_backend"] = "uni"  # LMCache's MP connector: engine core in its own process
     llm = LLM(model=args["model"], skip_tokenizer_init=True, load_format="auto", dtype="float32", enforce_eager=True,
               block_size=args["page_tokens"], max_model_len=args["max_model_len"], enable_prefix_caching=True,
               num_gpu_blocks_override=args["gpu_blocks"], max_num_seqs=max(4, args["concurrency"]),
               disable_log_stats=False, seed=0, **kw)
     engine = llm.llm_engine
-    core = engine.engine_core.engine_core
-    conn = core.scheduler.connector
+    core = getattr(engine.engine_core, "engine_core", None)  # None when the engine core runs in its own process
+    conn = core.scheduler.connector if core is not None else None
     admitted: dict[str, tuple[int, int, int]] = {}  # request id -> (vLLM prefix-cache, host, SSD) tokens
     if conn is not None and getattr(conn, "scheduler_side", None) is not None:
         ss = conn.scheduler_side
@@ -215,6 +233,7 @@ def engine_main(args_path: str) -> None:
     for p in (warm, warm + warm[:40]):
         llm.generate([{"prompt_token_ids": p}], wsp, use_tqdm=False)
     admitted.clear()
+    mp_before = _mp_counters(args.get("lmcache_mp_url"), llm)
     say("ready", f"{start_s:.1f}")
 
     turns = args["turns"]
@@ -276,10 +295,33 @@ def engine_main(args_path: str) -> None:
         if x.name == "vllm:prompt_tokens_cached_by_source":
             src[x.labels.get("source", "?")] = x.value
     out["cached_by_source"] = src
-    out["scheduler"] = type(core.scheduler).__name__
+    out["scheduler"] = type(core.scheduler).__name__ if core is not None else "vLLM's (engine core process)"
+    if args.get("lmcache_mp_url"):
+        after = _mp_counters(args["lmcache_mp_url"], llm)
+        out["lmcache_mp"] = {k: after[k] - mp_before.get(k, 0.0) for k in after}
     Path(args["out"]).write_text(json.dumps(out))
     say("phase shutting down")
     engine.engine_core.shutdown()
+
+
+def _mp_counters(url: str | None, llm: Any) -> dict[str, float]:
+    """For the LMCache MP run: vLLM's cached tokens by source and the server's L1/L2 lookup hits, cumulative."""
+    if not url:
+        return {}
+    out: dict[str, float] = {}
+    for x in llm.get_metrics():
+        if x.name == "vllm:prompt_tokens_cached_by_source":
+            key = "vllm_" + x.labels.get("source", "?")
+            out[key] = out.get(key, 0.0) + float(x.value)
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            for name in ("lmcache_mp_lookup_hit_l1_keys_total", "lmcache_mp_lookup_hit_l2_keys_total",
+                         "lmcache_mp_l2_store_completed_objects_chunks_total"):
+                if line.startswith(name):
+                    out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 # --------------------------------------------------------------------------------------------- driver side
@@ -310,8 +352,8 @@ def _engine_env() -> dict[str, str]:
     return env
 
 
-def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_turns: int, timeout: float
-                ) -> RunResult:
+def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_turns: int, timeout: float,
+                env_extra: dict[str, str] | None = None) -> RunResult:
     from tqdm import tqdm
 
     args = dict(args, out=str(workdir / f"{name}.out.json"), watchdog_s=max(60, int(timeout) - 10))
@@ -320,8 +362,10 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
     log_path = workdir / f"{name}.log"
     r_fd, w_fd = os.pipe()
     env = _engine_env()
+    env.update(env_extra or {})
     env[PROGRESS_FD_ENV] = str(w_fd)
-    code = f"from kvtier.demo_vllm import engine_main; engine_main({str(args_path)!r})"
+    code = ("if __name__ == '__main__':\n    from kvtier.demo_vllm import engine_main\n"
+            f"    engine_main({str(args_path)!r})")
     bar = tqdm(total=n_turns, desc=f"{label:>22}", unit="turn", leave=True, dynamic_ncols=True)
     bar.set_postfix_str("starting")
     deadline = time.monotonic() + timeout
@@ -451,27 +495,100 @@ def run(args: argparse.Namespace) -> int:
     print(f"  kvtier: connector + DualQueueScheduler; host tier {host_mb:g} MiB, SSD tier {args.ssd_mb:g} MiB at "
           f"{ssd_dir}; {args.chunk_tokens}-token chunks")
     print(f"  {LMCACHE_CPU_NOTE}")
+    if args.lmcache_mp:
+        print(f"  {LMCACHE_MP_NOTE}")
     sys.stdout.flush()
+    mp = None
     try:
         base = _run_engine("baseline", "vLLM, no connector", workdir, base_args, len(turns), args.timeout)
         kvt = _run_engine("kvtier", "vLLM + kvtier", workdir, dict(
             base_args, kv_transfer_config=kv_cfg, scheduler_cls="kvtier.scheduler_hooks.DualQueueScheduler"),
             len(turns), args.timeout)
+        if args.lmcache_mp:
+            mp = _run_lmcache_mp(workdir, base_args, host_mb, args, len(turns))
     except RuntimeError as e:
         print(f"\nERROR: {e}")
         if own:
             print(f"(work directory kept: {workdir})")
         return 1
     rc = _report(base, kvt, turns, args)
+    if mp is not None:
+        rc = max(rc, _report_lmcache_mp(base, kvt, mp, turns))
     if args.json:
-        Path(args.json).write_text(json.dumps({"baseline": base.raw, "kvtier": kvt.raw}, indent=1))
-    _plot(base, kvt, args.plot)
+        Path(args.json).write_text(json.dumps({"baseline": base.raw, "kvtier": kvt.raw,
+                                               **({"lmcache_mp": mp.raw} if mp is not None else {})}, indent=1))
+    _plot(base, kvt, args.plot, mp)
     if own and rc == 0:
         shutil.rmtree(workdir, ignore_errors=True)
     elif own:
         print(f"(work directory kept: {workdir})")
     print(f"\ndemo wall time {time.perf_counter() - t_all:.0f} s")
     return rc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_lmcache_mp(workdir: Path, base_args: dict[str, Any], host_mb: float, args: argparse.Namespace,
+                    n_turns: int) -> RunResult:
+    """vLLM + LMCache's multiprocess server with LMCache's own `fs` L2 adapter, on the same conversations."""
+    from kvtier.tools.lmcache_mp import MPServer
+
+    fs_dir = workdir / "lmcache-fs"
+    shutil.rmtree(fs_dir, ignore_errors=True)
+    fs_dir.mkdir(parents=True)
+    # LMCache evicts L1 once a second above the watermark; 0.5 / 0.5 keeps room for the next stores and prefetches
+    srv = MPServer(args.mp_port or _free_port(), args.mp_http_port or _free_port(),
+                   [{"type": "fs", "base_path": str(fs_dir)}], str(workdir / "lmcache-server.log"),
+                   l1_gb=host_mb / 1024, chunk_size=args.chunk_tokens, eviction_watermark=0.5, eviction_ratio=0.5)
+    kv = {"kv_connector": "LMCacheMPConnector",
+          "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
+          "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": srv.port}}
+    with srv:
+        return _run_engine("lmcache_mp", "vLLM + LMCache MP (fs)", workdir,
+                           dict(base_args, kv_transfer_config=kv, lmcache_mp_url=srv.url), n_turns, args.timeout,
+                           env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+
+
+def _report_lmcache_mp(base: RunResult, kvt: RunResult, mp: RunResult, turns: list[Turn]) -> int:
+    """The third column: vLLM + LMCache MP (`fs` L2), against the same turns of the two other runs."""
+    key = lambda r: (r["conv"], r["turn"])  # noqa: E731
+    b_by, m_by = {key(r): r for r in base.requests}, {key(r): r for r in mp.requests}
+    print("\nvLLM + LMCache MP (LMCache's `fs` L2 adapter), the same conversations: TTFT per turn (ms; mean / "
+          "median) and cached prompt tokens (vLLM's prefix cache + LMCache)")
+    head = (f"{'turn':>4} {'no connector':>16} {'kvtier':>16} {'LMCache MP (fs)':>16} {'MP cached':>10} "
+            f"{'kvtier speed-up':>16}")
+    print(head)
+    print("-" * len(head))
+    for n in range(1, max(t.turn for t in turns) + 1):
+        bt, kt, mt = base.ttft(n, n), kvt.ttft(n, n), mp.ttft(n, n)
+        cached = sum(r.get("cached", 0) for r in mp.requests if r["turn"] == n)
+        print(f"{n:>4} {1000 * statistics.mean(bt):>8.1f} / {1000 * statistics.median(bt):>5.1f} "
+              f"{1000 * statistics.mean(kt):>8.1f} / {1000 * statistics.median(kt):>5.1f} "
+              f"{1000 * statistics.mean(mt):>8.1f} / {1000 * statistics.median(mt):>5.1f} {cached:>10} "
+              f"{_ratio(statistics.mean(mt), statistics.mean(kt)):>16}")
+    c = mp.raw.get("lmcache_mp", {})
+    ext = sum(v for k, v in c.items() if k.startswith("vllm_external"))
+    l1, l2 = int(c.get("lmcache_mp_lookup_hit_l1_keys_total", 0)), int(c.get("lmcache_mp_lookup_hit_l2_keys_total", 0))
+    print(f"LMCache MP hits (the replay, warm-up excluded): vLLM prefix cache {int(c.get('vllm_device', 0))} tokens, "
+          f"from LMCache {int(ext)} tokens; the server's lookups found {l1} chunks in L1 and loaded {l2} from the "
+          f"`fs` L2, which stored {int(c.get('lmcache_mp_l2_store_completed_objects_chunks_total', 0))}")
+    later_k, later_m = kvt.ttft(2), mp.ttft(2)
+    if later_k and later_m:
+        print(f"TTFT of follow-up turns: kvtier {_ratio(statistics.mean(later_m), statistics.mean(later_k))} faster "
+              f"than LMCache MP (fs) on average ({_ratio(_pct(later_m, 0.5), _pct(later_k, 0.5))} at the median)")
+    diff = [k for k in b_by if b_by[k]["tokens"] != m_by[k]["tokens"]]
+    if diff:
+        print(f"LMCache MP generated tokens: DIFFERENT from the run without a connector in {len(diff)} of "
+              f"{len(turns)} requests (first: conversation {diff[0][0]} turn {diff[0][1]})")
+        return 1
+    print(f"LMCache MP generated tokens: identical to the run without a connector ({len(turns)} requests)")
+    return 0
 
 
 def _report(base: RunResult, kvt: RunResult, turns: list[Turn], args: argparse.Namespace) -> int:
@@ -575,7 +692,7 @@ def _report(base: RunResult, kvt: RunResult, turns: list[Turn], args: argparse.N
     return 0 if ok else 1
 
 
-def _plot(base: RunResult, kvt: RunResult, path: str) -> None:
+def _plot(base: RunResult, kvt: RunResult, path: str, mp: RunResult | None = None) -> None:
     try:
         import matplotlib
 
@@ -585,7 +702,8 @@ def _plot(base: RunResult, kvt: RunResult, path: str) -> None:
         print(f"matplotlib is not installed: no plot written ({path})")
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r, color, dx in ((base, "tab:gray", -0.08), (kvt, "tab:blue", 0.08)):
+    runs = [(base, "tab:gray", -0.08), (kvt, "tab:blue", 0.08)] + ([(mp, "tab:orange", 0.0)] if mp else [])
+    for r, color, dx in runs:
         max_turn = max(x["turn"] for x in r.requests)
         xs = [x["turn"] + dx for x in r.requests]
         ys = [1000 * x["ttft"] for x in r.requests]

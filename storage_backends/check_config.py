@@ -1,8 +1,12 @@
-"""`kvtier check-config FILE`: load an LMCache YAML the way LMCache does and fail loudly on any kvtier problem.
+"""`kvtier check-config FILE`: load an LMCache config the way LMCache does and fail loudly on any kvtier problem.
+
+FILE is either an LMCache YAML (the in-process storage plugin) or the JSON of an `lmcache server --l2-adapter`
+spec (the multiprocess-mode L2 adapter, `configs/lmcache-mp-l2-kvtier.json`).
 
 LMCache only logs a storage plugin's constructor error and runs without it, so a typo silently disables the SSD
-tier. This command parses the file with LMCache's own loader, validates every `kvtier.*` key, checks that the
-plugin entries point at kvtier, and opens the SSD directory (creating it 0700) to prove it is usable.
+tier. This command parses the file with LMCache's own loader, validates every `kvtier.*` key (or every
+`adapter_params` key), checks that the plugin entries point at kvtier, and opens the SSD directory (creating it
+0700; for the L2 adapter also an O_DIRECT probe) to prove it is usable.
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("file", help="LMCache YAML file")
+    p.add_argument("file", help="LMCache YAML file, or the JSON of an `lmcache server --l2-adapter` spec")
 
 
 def check(path: str) -> str:
     """Validate `path`; returns a one-line summary or raises ConfigError."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such file")
+    with open(path) as f:
+        head = f.read(4096).lstrip()
+    if path.endswith(".json") or head.startswith("{"):
+        return check_l2_adapter(path)
     from kvtier.storage_backends.lmcache_backend import load_lmcache_config
 
     try:
@@ -47,6 +55,63 @@ def check(path: str) -> str:
     return (f"OK: {path}: plugin {names[0]!r} -> KVTierBackend, SSD tier at {kv.ssd_path} "
             f"({kv.ssd_capacity_gb:g} GiB, {kv.io_threads} I/O threads, io_engine={kv.io_engine}, "
             f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB, chunk_size {cfg.chunk_size}")
+
+
+ADAPTER_MODULE = "kvtier.storage_backends.lmcache_mp_adapter"
+ADAPTER_CLASS = "KVTierL2Adapter"
+
+
+def check_l2_adapter(path: str) -> str:
+    """Validate an `--l2-adapter` JSON spec for kvtier's L2 adapter, parsed by LMCache's own argument parser."""
+    import argparse as _argparse
+    import json
+
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: an --l2-adapter spec is a JSON object, got {type(spec).__name__}")
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+    try:
+        parse_args_to_l2_adapters_config(_argparse.Namespace(l2_adapter=[json.dumps(spec)]))
+    except (ValueError, KeyError, ImportError) as e:
+        raise ConfigError(f"{path}: LMCache rejects this --l2-adapter spec: {e}") from None
+    if spec.get("type") != "plugin":
+        raise ConfigError(f"{path}: \"type\" must be \"plugin\" for kvtier's adapter, got {spec.get('type')!r}")
+    if spec.get("module_path") != ADAPTER_MODULE:
+        raise ConfigError(f"{path}: \"module_path\" must be {ADAPTER_MODULE!r}, got {spec.get('module_path')!r}")
+    if spec.get("class_name") != ADAPTER_CLASS:
+        raise ConfigError(f"{path}: \"class_name\" must be {ADAPTER_CLASS!r}, got {spec.get('class_name')!r}")
+    from kvtier.storage_backends.config import parse_adapter_params
+
+    kv = parse_adapter_params(spec.get("adapter_params"))
+    from kvtier.storage_backends.lmcache_mp_adapter import SUBDIR
+    from kvtier.storage_backends.posix_io import probe_o_direct
+    from kvtier.storage_backends.lmcache_mp_adapter import _adapter_key_names
+    from kvtier.storage_backends.ssd_directory import prepare_directory
+
+    directory = os.path.join(kv.ssd_path, SUBDIR)
+    try:
+        prepare_directory(kv.ssd_path)
+        prepare_directory(directory)
+    except ConfigError as e:
+        raise ConfigError(_adapter_key_names(str(e))) from None
+    if kv.o_direct:
+        try:
+            probe_o_direct(directory)
+        except OSError as e:
+            raise ConfigError(f"adapter_params.o_direct: the file system of {directory} refuses O_DIRECT "
+                              f"({e.strerror}); put ssd_path on a real disk, or set \"o_direct\": false") from None
+    note = ""
+    if spec.get("eviction") is not None:
+        note = ("; note: the \"eviction\" block makes LMCache delete chunks too (by its own policy, at its "
+                "watermark), beside kvtier's own eviction")
+    return (f"OK: {path}: LMCache L2 adapter {ADAPTER_CLASS}, SSD tier at {directory} ({kv.ssd_capacity_gb:g} GiB, "
+            f"{kv.io_threads} I/O threads, io_engine={kv.io_engine}, o_direct={kv.o_direct}, "
+            f"durable_writes={kv.durable_writes}, eviction={kv.eviction_policy}){note}")
 
 
 def run(args: argparse.Namespace) -> int:

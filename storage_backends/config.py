@@ -3,6 +3,8 @@
 Every key is documented in `KEYS` (also rendered into the README). Unknown `kvtier.*` keys, wrong types and
 out-of-range values raise `ConfigError` naming the key and the fix: LMCache only logs a plugin constructor's
 exception, so `kvtier check-config` (and the vLLM connector) call `parse_kvtier_config` up front to fail loudly.
+The same keys, without the prefix, are the `adapter_params` of the LMCache multiprocess-mode L2 adapter
+(`parse_adapter_params`, errors name `adapter_params.<key>`).
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ KEYS: tuple[KeySpec, ...] = (
 _SPECS = {k.name: k for k in KEYS}
 
 
-def _coerce(spec: KeySpec, raw: Any) -> Any:
-    key = PREFIX + spec.name
+def _coerce(spec: KeySpec, raw: Any, key: str | None = None) -> Any:
+    """Validate one value; `key` is the name the user wrote (error messages say it)."""
+    key = key or PREFIX + spec.name
     if spec.kind == "str" or spec.kind == "choice":
         if not isinstance(raw, str) or not raw:
             raise ConfigError(f"{key} must be a non-empty string, got {raw!r}")
@@ -115,6 +118,40 @@ def _coerce(spec: KeySpec, raw: Any) -> Any:
     return value
 
 
+def _build(merged: dict[str, Any], label: Callable[[str], str], where: str, example: str,
+           excluded: Mapping[str, str] | None = None) -> KVTierConfig:
+    """Validate `merged` ({key name: raw value}); `label(name)` is how the user spells a key."""
+    excluded = excluded or {}
+    clash = sorted(set(merged) & set(excluded))
+    if clash:
+        raise ConfigError(f"{label(clash[0])} {excluded[clash[0]]}; remove it")
+    known = [k.name for k in KEYS if k.name not in excluded]
+    unknown = sorted(set(merged) - set(known))
+    if unknown:
+        import difflib
+
+        hints = [f" (did you mean {label(m[0])}?)" if (m := difflib.get_close_matches(u, known, 1)) else ""
+                 for u in unknown]
+        raise ConfigError(
+            f"unknown key(s) {', '.join(label(u) + h for u, h in zip(unknown, hints))}; kvtier knows "
+            f"{', '.join(label(k) for k in known)} (see README, 'Configuration')"
+        )
+    missing = [k.name for k in KEYS if k.required and k.name not in merged]
+    if missing:
+        raise ConfigError(f"missing {', '.join(label(m) for m in missing)} in {where}; e.g. {example}")
+    values = {name: _coerce(_SPECS[name], raw, label(name)) for name, raw in merged.items()}
+    values["ssd_path"] = os.path.abspath(os.path.expanduser(values["ssd_path"]))
+    from kvtier.storage_backends.eviction import make_policy
+
+    try:
+        make_policy(values.get("eviction_policy", "lru"))
+    except ValueError as e:
+        raise ConfigError(f"{label('eviction_policy')}: {e}") from None
+    if "chunk_format" in values:
+        _check_chunk_format(values["chunk_format"], label("chunk_format"))
+    return KVTierConfig(**values)
+
+
 def parse_kvtier_config(extra_config: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None
                         ) -> KVTierConfig:
     """Build a KVTierConfig from LMCache's flat `extra_config` (keys `kvtier.<name>`), plus optional overrides.
@@ -126,36 +163,11 @@ def parse_kvtier_config(extra_config: Mapping[str, Any] | None, overrides: Mappi
         for k, v in source.items():
             if isinstance(k, str) and k.startswith(PREFIX):
                 merged[k[len(PREFIX):]] = v
-    unknown = sorted(set(merged) - set(_SPECS))
-    if unknown:
-        import difflib
-
-        hints = [f" (did you mean {PREFIX + m[0]}?)" if (m := difflib.get_close_matches(u, _SPECS, 1)) else ""
-                 for u in unknown]
-        raise ConfigError(
-            f"unknown key(s) {', '.join(PREFIX + u + h for u, h in zip(unknown, hints))}; kvtier knows "
-            f"{', '.join(PREFIX + k.name for k in KEYS)} (see README, 'Configuration')"
-        )
-    missing = [k.name for k in KEYS if k.required and k.name not in merged]
-    if missing:
-        raise ConfigError(
-            f"missing {', '.join(PREFIX + m for m in missing)} in extra_config; e.g. "
-            f"'kvtier.ssd_path: /var/cache/kvtier' and 'kvtier.ssd_capacity_gb: 100'"
-        )
-    values = {name: _coerce(_SPECS[name], raw) for name, raw in merged.items()}
-    values["ssd_path"] = os.path.abspath(os.path.expanduser(values["ssd_path"]))
-    from kvtier.storage_backends.eviction import make_policy
-
-    try:
-        make_policy(values.get("eviction_policy", "lru"))
-    except ValueError as e:
-        raise ConfigError(f"kvtier.eviction_policy: {e}") from None
-    if "chunk_format" in values:
-        _check_chunk_format(values["chunk_format"])
-    return KVTierConfig(**values)
+    return _build(merged, lambda name: PREFIX + name, "extra_config",
+                  "'kvtier.ssd_path: /var/cache/kvtier' and 'kvtier.ssd_capacity_gb: 100'")
 
 
-def _check_chunk_format(fmt: str) -> None:
+def _check_chunk_format(fmt: str, key: str = PREFIX + "chunk_format") -> None:
     """`page_first` or a name of LMCache's MemoryFormat (checked against the installed LMCache)."""
     if fmt == "page_first":
         return
@@ -168,7 +180,30 @@ def _check_chunk_format(fmt: str) -> None:
         import difflib
 
         close = difflib.get_close_matches(fmt, names + ["page_first"], 1)
-        raise ConfigError(f"kvtier.chunk_format: {fmt!r} is neither page_first nor an LMCache MemoryFormat"
+        raise ConfigError(f"{key}: {fmt!r} is neither page_first nor an LMCache MemoryFormat"
                           f"{f' (did you mean {close[0]}?)' if close else ''}; choose one of page_first, "
                           f"{', '.join(names)}")
 
+
+#: keys of the in-process plugin that mean nothing to the LMCache MP adapter (the chunk layout comes with each
+#: object LMCache hands over, and is checked against the destination of every load)
+MP_EXCLUDED_KEYS = {
+    "chunk_format": "has no meaning in LMCache's multiprocess mode (each object carries its own layout, checked "
+                    "against every load's destination)",
+    "page_tokens": "has no meaning in LMCache's multiprocess mode (kvtier's page-first kernels are not used there)",
+}
+
+
+def parse_adapter_params(params: Mapping[str, Any] | None, where: str = "adapter_params") -> KVTierConfig:
+    """Build a KVTierConfig from the `adapter_params` of an LMCache MP `--l2-adapter` spec: kvtier's own keys
+    without the `kvtier.` prefix (`{"ssd_path": ..., "ssd_capacity_gb": ...}`). Strict: an unknown key, a wrong
+    type or a key without meaning in MP mode raises ConfigError naming `adapter_params.<key>`."""
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{where} must be a JSON object, got {type(params).__name__}")
+    bad = [k for k in params if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"{where}: keys must be strings, got {bad!r}")
+    return _build(dict(params), lambda name: f"{where}.{name}", where,
+                  '{"ssd_path": "/var/cache/kvtier", "ssd_capacity_gb": 100}', MP_EXCLUDED_KEYS)

@@ -19,3 +19,11 @@ SSD_READ_SECONDS = Histogram("kvtier_ssd_read_seconds", "Latency of one batched 
                              buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 SSD_WRITE_SECONDS = Histogram("kvtier_ssd_write_seconds", "Latency from submit to commit of one chunk",
                               buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
+# LMCache multiprocess-mode L2 adapter (lmcache_mp_adapter.py)
+MP_STORE_TASKS = Counter("kvtier_mp_store_tasks_total", "Store tasks of LMCache's MP server completed by kvtier's "
+                         "L2 adapter", ["result"])
+MP_LOOKUP_CHUNKS = Counter("kvtier_mp_lookup_chunks_total", "Chunks looked up (and locked when found) by LMCache's "
+                           "MP server in kvtier's L2 adapter", ["result"])
+MP_LOAD_CHUNKS = Counter("kvtier_mp_load_chunks_total", "Chunks LMCache's MP server asked kvtier's L2 adapter to "
+                         "load: hit, miss, layout_mismatch (a chunk of another layout than the buffer)", ["result"])

@@ -59,9 +59,9 @@ def prepare_directory(path: str) -> None:
                           "choose another directory")
 
 
-def lock_directory(path: str) -> int:
-    """Lock `path` for this process; returns the lock's fd (closing it releases the lock)."""
-    lock = os.path.join(path, "lock")
+def lock_directory(path: str, name: str = "lock") -> int:
+    """Lock `path` for this process through the file `name`; returns the lock's fd (closing it releases it)."""
+    lock = os.path.join(path, name)
     try:
         fd = open_nofollow(lock, os.O_RDWR | os.O_CREAT)
     except OSError as e:
@@ -78,3 +78,34 @@ def lock_directory(path: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
     return fd
+
+
+def read_small_file(path: str, limit: int = 1 << 16) -> bytes | None:
+    """The contents of a small file kvtier wrote (never through a link), or None if there is none."""
+    try:
+        fd = open_nofollow(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def write_small_file(path: str, data: bytes) -> None:
+    """Replace `path` by `data` atomically and durably (a planted link at its temporary name is removed first)."""
+    from kvtier.storage_backends.posix_io import fsync_dir
+
+    tmp = path + ".tmp"
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")

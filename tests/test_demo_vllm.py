@@ -1,8 +1,9 @@
-"""`kvtier demo-vllm` (the main job) end to end with its smallest settings: real vLLM on CPU, twice.
+"""`kvtier demo-vllm` (the main job) end to end with its smallest settings: real vLLM on CPU, three times.
 
 Runs the installed `kvtier` command from a scratch directory (never with the repository root on sys.path) and
 checks what the demo prints: it exits 0, kvtier serves part of the follow-up turns' history (host or SSD tier),
-both runs generate identical tokens, the LMCache note is there and the plot is written.
+both runs generate identical tokens, the LMCache note is there and the plot is written; the third column (vLLM +
+LMCache's multiprocess server with its `fs` L2 adapter) generates the same tokens and reuses history too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def test_demo_vllm_smallest(tmp_path):
     plot = tmp_path / "demo.png"
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
     p = subprocess.run([str(kvtier), "demo-vllm", "--conversations", "2", "--turns", "2", "--plot", str(plot),
-                        "--timeout", "200"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+                        "--timeout", "200", "--mp-port", "15571", "--mp-http-port", "18571"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=700)
     out = p.stdout
     assert p.returncode == 0, f"rc {p.returncode}\n{out[-6000:]}\n{p.stderr[-3000:]}"
     # per-turn table: kvtier serves history from turn 2 on
@@ -38,6 +40,9 @@ def test_demo_vllm_smallest(tmp_path):
     assert "generated tokens: identical in both runs" in out, out
     assert "No supported cpu connector found" in out
     assert "kvtier vs none" in out
+    assert "LMCache MP generated tokens: identical to the run without a connector (4 requests)" in out, out
+    mp_turn2 = re.search(r"^\s+2(?:\s+[\d.]+ /\s+[\d.]+){3}\s+(\d+)\s+\S+\s*$", out, re.M)
+    assert mp_turn2 and int(mp_turn2.group(1)) > 0, out
     assert plot.exists() and plot.stat().st_size > 0
     # the progress bars went to stderr
     assert "vLLM + kvtier" in p.stderr
