@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -110,13 +111,15 @@ def hf_cache(model: Path, hf_home: Path) -> None:
 # --------------------------------------------------------------------------------------------- aiperf
 def run_aiperf(aiperf: str, srv: ServeProcess, trace: Path, out: Path, args: argparse.Namespace, seed: int,
                hf_home: Path) -> list[dict[str, Any]]:
-    """One aiperf profile of `trace` against `srv`; its per-request records (in request order)."""
+    """One aiperf profile of every request of `trace` against `srv`; its per-request records."""
+    n_requests = sum(1 for line in trace.read_text().splitlines() if line.strip())
     env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PYTHONPATH", None)
     cmd = [aiperf, "profile", "--model", srv.model, "--url", srv.url, "--endpoint-type", "completions",
            "--streaming", "--tokenizer", TOKENIZER_REPO, "--input-file", str(trace), "--custom-dataset-type",
            "mooncake_trace", "--isl-block-size", str(args.block_tokens), "--no-fixed-schedule",
-           "--concurrency", str(args.concurrency), "--random-seed", str(seed), "--extra-inputs",
+           "--concurrency", str(args.concurrency), "--request-count", str(n_requests), "--random-seed", str(seed),
+           "--extra-inputs",
            "ignore_eos:true", "--output-artifact-dir", str(out), "--ui-type", "none"]
     t0 = time.monotonic()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -141,9 +144,10 @@ def _metric(rec: dict[str, Any], name: str) -> float | None:
 def summarize(records: list[dict[str, Any]], follow: list[bool]) -> dict[str, float]:
     """TTFT (ms) stats overall / follow-up turns / first turns, requests/s and output tokens/s."""
     recs = []
-    for rec in records:
+    for rec in records:  # aiperf's mooncake_trace loader makes row i the conversation "session_<i>"
         md = rec.get("metadata") or {}
-        idx = md.get("conversation_index", md.get("session_num"))
+        conv = str(md.get("conversation_id", ""))
+        idx = int(conv.rsplit("_", 1)[1]) if conv.rsplit("_", 1)[-1].isdigit() else md.get("session_num")
         recs.append((idx, rec, md))
     ttft = {"all": [], "follow": [], "first": []}
     starts, ends, out_tokens, errors = [], [], 0, 0
@@ -158,7 +162,7 @@ def summarize(records: list[dict[str, Any]], follow: list[bool]) -> dict[str, fl
         ttft["all"].append(t)
         row = int(idx) if isinstance(idx, int) and 0 <= idx < len(follow) else i
         ttft["follow" if follow[row] else "first"].append(t)
-        out_tokens += int(_metric(rec, "output_sequence_length") or 0)
+        out_tokens += int(_metric(rec, "usage_completion_tokens") or _metric(rec, "output_sequence_length") or 0)
         starts.append(int(md.get("request_start_ns", 0)))
         ends.append(int(md.get("request_end_ns", 0)))
     wall = (max(ends) - min(starts)) / 1e9 if starts else float("nan")
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds one aiperf run may take")
     p.add_argument("--json", default=None, help="write all summaries here")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers (finally below) when killed
     if not shutil.which(args.aiperf) and not os.path.exists(args.aiperf):
         print(f"aiperf not found ({args.aiperf}); install it in its own environment (it pins other versions "
               "of prometheus_client, psutil, pyzmq, ... than vLLM): python3 -m venv /tmp/aiperf-venv && "
