@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from kvtier.connector import metrics_export
 from kvtier.connector.config import check_versions, load_connector_config
 from kvtier.connector.messages import KVTierConnectorMetadata
-from kvtier.connector import metrics_export
 from kvtier.connector.metrics import KVTierConnectorStats, KVTierPromMetrics
 
 if TYPE_CHECKING:
