@@ -14,6 +14,7 @@ writes hold their chunks in the pool): LMCache's store then finds nothing to evi
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from types import SimpleNamespace
 
@@ -109,13 +110,17 @@ def _worker(e, b, kv):
     return lambda spec, n: WorkerSide._store(ns, spec, n)
 
 
-def test_short_store_waits_for_queued_writes_and_retries(engine):
+def test_short_store_waits_for_queued_writes_and_retries(engine, monkeypatch):
     from kvtier.connector.messages import SaveSpec
 
     e, b = engine
     host = e.storage_manager.storage_backends["LocalCPUBackend"]
-    _pin_chunks(e, b, 8, 0)  # half the pool pinned; queued writes may hold the other half
-    e.store(torch.arange(10_000, 10_000 + 8 * CHUNK), kvcaches=_kv(8, 1))  # 8 writes queued on a slow SSD
+    _pin_chunks(e, b, 8, 0)  # half the pool pinned; queued writes hold the other half
+    gate = threading.Event()  # the SSD writes wait until someone waits for them (the retry's flush)
+    write, flush = b.tier._write_batch, b.flush
+    monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (gate.wait(60), write(batch))[1])
+    monkeypatch.setattr(b, "flush", lambda timeout=None: (gate.set(), flush(timeout))[1])
+    e.store(torch.arange(10_000, 10_000 + 8 * CHUNK), kvcaches=_kv(8, 1))  # 8 writes queued
     lost = _sample("kvtier_host_pool_lost_chunks_total", op="store")
     failures = b.pool_watch.failures
     tokens = list(range(20_000, 20_000 + 8 * CHUNK))
