@@ -14,16 +14,27 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvtier.demo", "replay a multi-turn trace slice through LMCache, with and without kvtier's SSD tier"),
     "demo-vllm": ("kvtier.demo_vllm", "the main job: replay multi-turn conversations through vLLM, with and without "
                   "kvtier"),
+    "demo-model": ("kvtier.tools.demo_model", "write the tiny demo model (weights + tokenizer) for `vllm serve`"),
     "replay": ("kvtier.tools.replay", "replay a request trace against eviction policies"),
     "simulate": ("kvtier.tools.simulate", "discrete-event replay of scheduling policies"),
 }
 
 
+#: subcommands whose arguments all belong to another program's CLI
+PASS_THROUGH: dict[str, tuple[str, str]] = {
+    "serve": ("kvtier.serve", "vLLM's `vllm serve`, arguments passed through (works with vLLM's CPU wheel too)"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASS_THROUGH:
+        return int(importlib.import_module(PASS_THROUGH[argv[0]][0]).main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    argv = sys.argv[1:] if argv is None else argv
+    for name, (_, help_text) in PASS_THROUGH.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)

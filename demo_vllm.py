@@ -42,14 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, MODEL, VOCAB
+from kvtier.tools.demo_model import build as build_model
+
 logger = logging.getLogger(__name__)
 
-VOCAB = 1024
-#: the tiny model (4-layer Llama, fp32); its KV is 2 x layers x kv heads x head dim x 4 bytes per token
-MODEL = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 8192, "initializer_range": 0.2}
-KV_BYTES_PER_TOKEN = 2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * (
-    MODEL["hidden_size"] // MODEL["num_attention_heads"]) * 4
 PROGRESS_FD_ENV = "KVTIER_DEMO_PROGRESS_FD"
 LMCACHE_CPU_NOTE = (
     "LMCache's in-process connector (LMCacheConnectorV1) is not compared here: it does not run on vLLM's CPU build "
@@ -169,15 +166,6 @@ def build_workload(trace: str, conversations: int, turns: int, block_tokens: int
 
 
 # --------------------------------------------------------------------------------------------- engine side
-def _build_model(path: str) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    # random weights with a large init scale: decisive argmax, so greedy outputs of two runs can be compared
-    LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(path)
-
-
 def engine_main(args_path: str) -> None:
     """Body of one engine subprocess: `python -c 'from kvtier.demo_vllm import engine_main; engine_main(PATH)'`."""
     import faulthandler
@@ -193,7 +181,7 @@ def engine_main(args_path: str) -> None:
     t0 = time.perf_counter()
     if not os.path.exists(os.path.join(args["model"], "config.json")):
         say("phase building the tiny model")
-        _build_model(args["model"])
+    build_model(args["model"])
     say("phase starting vLLM")
     from vllm import LLM, SamplingParams
 

@@ -13,13 +13,15 @@ bad setting stops the engine at start.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from kvtier.connector import metrics_export
 from kvtier.connector.config import check_versions, load_connector_config
 from kvtier.connector.messages import KVTierConnectorMetadata
-from kvtier.connector.metrics import KVTierConnectorStats
+from kvtier.connector.metrics import KVTierConnectorStats, KVTierPromMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -51,8 +53,15 @@ class KVTierConnector(KVConnectorBase_V1):
             from kvtier.connector.worker_side import WorkerSide
 
             self.worker_side = WorkerSide(vllm_config, self.cfg)
-        logger.info("kvtier connector (%s role) on vLLM %s, LMCache %s, config %s", role.name, vv, lv,
-                    self.cfg.config_file)
+        if role == KVConnectorRole.SCHEDULER and not int(getattr(vllm_config, "shutdown_timeout", 0) or 0) \
+                and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+            logger.warning("kvtier: vLLM's shutdown_timeout is 0: at shutdown vLLM kills its workers at once, and "
+                           "SSD writes still queued then are lost (committed chunks are kept); start vllm serve "
+                           "with --shutdown-timeout 10 to let the connector commit them")
+        # one version line per engine (the scheduler role); the worker logs its own start-up line
+        logger.log(logging.INFO if role == KVConnectorRole.SCHEDULER else logging.DEBUG,
+                   "kvtier connector (%s role) on vLLM %s, LMCache %s, config %s", role.name, vv, lv,
+                   self.cfg.config_file)
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -87,11 +96,26 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.worker_side.take_load_errors() if self.worker_side is not None else set()
 
     def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
-        return self.worker_side.take_stats() if self.worker_side is not None else None
+        """Both roles: the worker's interval counters (vLLM's log line), plus this process's kvtier series
+        changes for the API server's /metrics (`metrics_export`)."""
+        stats = self.worker_side.take_stats() if self.worker_side is not None else None
+        payload = metrics_export.exporter().take()
+        if payload is None:
+            return stats
+        return (stats or KVTierConnectorStats()).add_export(payload)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierConnectorStats:
-        return KVTierConnectorStats(data=dict(data or {}))
+        data = dict(data or {})
+        if metrics_export.PAYLOAD_KEY in data:  # own list: aggregate() extends it, the caller's stays as it was
+            data[metrics_export.PAYLOAD_KEY] = list(data[metrics_export.PAYLOAD_KEY])
+        return KVTierConnectorStats(data=data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        """Called in the process that serves /metrics: kvtier's series there mirror the engine's processes."""
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

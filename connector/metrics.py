@@ -1,8 +1,12 @@
-"""The connector's metrics: Prometheus series (process-wide) and `KVTierConnectorStats` for vLLM's log line.
+"""The connector's metrics: Prometheus series (process-wide) and `KVTierConnectorStats` for vLLM's stats path.
 
 Scheduler side: hit tokens per tier at admission, prefetch queue depth and wait. Worker side: load/save/prefetch
-latency and bytes, blocks reported as load errors. The SSD tier's own series (`kvtier_ssd_*`, incl. corrupt-chunk
-drops) come from `kvtier.storage_backends.metrics`.
+latency and bytes, blocks reported as load errors. The SSD tier's own series
+(`kvtier_ssd_*`, incl. corrupt-chunk drops) come from `kvtier.storage_backends.metrics`.
+
+`KVTierConnectorStats` carries the interval's counters for vLLM's "KV Transfer metrics" log line and, under
+`data["prom"]`, the engine-side processes' changes of these series to the API server (`KVTierPromMetrics`, see
+`kvtier.connector.metrics_export`).
 """
 
 from __future__ import annotations
@@ -10,8 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from kvtier.connector import metrics_export
+from kvtier.metrics_core import counter, gauge, histogram
+
 
 def kvtier_samples() -> dict[str, float]:
     """Every `kvtier_*` Prometheus sample of this process, flattened to `name/label=value...` -> value."""
@@ -27,23 +34,23 @@ def kvtier_samples() -> dict[str, float]:
 
 _LAT = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
-HIT_TOKENS = Counter("kvtier_connector_hit_tokens_total",
+HIT_TOKENS = counter("kvtier_connector_hit_tokens_total",
                      "Prompt tokens of admitted requests by where their KV came from (gpu = vLLM prefix cache)",
                      ["tier"])
-QUERY_TOKENS = Counter("kvtier_connector_query_tokens_total", "Prompt tokens of admitted requests")
-PREFETCH_QUEUE = Gauge("kvtier_connector_prefetch_queue_depth", "SSD prefetches waiting to be issued")
-PREFETCH_INFLIGHT = Gauge("kvtier_connector_prefetch_inflight", "SSD prefetches issued and not finished")
-PREFETCH_WAIT = Histogram("kvtier_connector_prefetch_wait_seconds",
+QUERY_TOKENS = counter("kvtier_connector_query_tokens_total", "Prompt tokens of admitted requests")
+PREFETCH_QUEUE = gauge("kvtier_connector_prefetch_queue_depth", "SSD prefetches waiting to be issued")
+PREFETCH_INFLIGHT = gauge("kvtier_connector_prefetch_inflight", "SSD prefetches issued and not finished")
+PREFETCH_WAIT = histogram("kvtier_connector_prefetch_wait_seconds",
                           "From a request's arrival to its SSD data being in host memory", buckets=_LAT)
-PREFETCH_SECONDS = Histogram("kvtier_connector_prefetch_seconds", "One SSD -> host prefetch (worker)", buckets=_LAT)
-PREFETCH_BYTES = Counter("kvtier_connector_prefetch_bytes_total", "Bytes prefetched from SSD into host memory")
-LOAD_SECONDS = Histogram("kvtier_connector_load_seconds", "Host -> KV cache load of one step", buckets=_LAT)
-SAVE_SECONDS = Histogram("kvtier_connector_save_seconds", "KV cache -> host save of one step", buckets=_LAT)
-LOAD_BYTES = Counter("kvtier_connector_load_bytes_total", "Bytes loaded into vLLM's KV cache")
-SAVE_BYTES = Counter("kvtier_connector_save_bytes_total", "Bytes saved from vLLM's KV cache")
-LOAD_ERROR_BLOCKS = Counter("kvtier_connector_load_error_blocks_total",
+PREFETCH_SECONDS = histogram("kvtier_connector_prefetch_seconds", "One SSD -> host prefetch (worker)", buckets=_LAT)
+PREFETCH_BYTES = counter("kvtier_connector_prefetch_bytes_total", "Bytes prefetched from SSD into host memory")
+LOAD_SECONDS = histogram("kvtier_connector_load_seconds", "Host -> KV cache load of one step", buckets=_LAT)
+SAVE_SECONDS = histogram("kvtier_connector_save_seconds", "KV cache -> host save of one step", buckets=_LAT)
+LOAD_BYTES = counter("kvtier_connector_load_bytes_total", "Bytes loaded into vLLM's KV cache")
+SAVE_BYTES = counter("kvtier_connector_save_bytes_total", "Bytes saved from vLLM's KV cache")
+LOAD_ERROR_BLOCKS = counter("kvtier_connector_load_error_blocks_total",
                             "KV blocks that failed to load and were handed back to vLLM for recomputation")
-FEEDBACK = Counter("kvtier_connector_answer_feedback_total",
+FEEDBACK = counter("kvtier_connector_answer_feedback_total",
                    "Finished requests whose answer length reached the eviction policy")
 
 _SUM_KEYS = ("loads", "loaded_tokens", "load_seconds", "saves", "saved_tokens", "save_seconds", "load_error_blocks",
@@ -62,12 +69,20 @@ class KVTierConnectorStats(KVConnectorStats):
         for k, v in kw.items():
             self.data[k] = self.data.get(k, 0) + v
 
+    def add_export(self, payload: dict[str, Any] | None) -> "KVTierConnectorStats":
+        """Attach a `metrics_export.Exporter` payload (this process's series changes) for the API server."""
+        if payload:
+            self.data.setdefault(metrics_export.PAYLOAD_KEY, []).append(payload)
+        return self
+
     def reset(self) -> None:
         self.data = {k: 0 for k in _SUM_KEYS}
 
     def aggregate(self, other: KVConnectorStats) -> "KVTierConnectorStats":
         for k, v in (other.data or {}).items():
-            if isinstance(v, (int, float)):
+            if k == metrics_export.PAYLOAD_KEY:
+                self.data.setdefault(k, []).extend(v)  # changes of different processes or steps: keep them all
+            elif isinstance(v, (int, float)):
                 self.data[k] = self.data.get(k, 0) + v
         return self
 
@@ -87,7 +102,22 @@ class KVTierConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in _SUM_KEYS)
+        return not any(self.data.get(k) for k in _SUM_KEYS) and not self.data.get(metrics_export.PAYLOAD_KEY)
 
     def snapshot(self) -> dict[str, Any]:
         return dict(self.data)
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """The API server's end of the stats path: hands each step's exporter payloads to the process's mirror."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.mirror = metrics_export.install_mirror()
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        if self.mirror is None:
+            return
+        for payload in metrics_export.payloads(transfer_stats_data):
+            self.mirror.apply(payload)

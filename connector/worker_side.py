@@ -366,17 +366,38 @@ class WorkerSide:
             t0 = time.monotonic()
             n = len(spec.token_ids)
             try:
-                mask = torch.ones(n, dtype=torch.bool)
-                mask[:spec.skip] = False
-                self.engine.store(torch.tensor(spec.token_ids, dtype=torch.long), mask=mask, kvcaches=self.kv_list,
-                                  slot_mapping=slot_mapping(spec.block_ids, self.block_size, n), req_id=spec.req_id)
+                stored_end = self._store(spec, n)
             except Exception:  # a lost save is a future miss, never wrong KV
                 logger.exception("kvtier: save for %s failed", spec.req_id)
                 continue
             dt = time.monotonic() - t0
             M.SAVE_SECONDS.observe(dt)
-            M.SAVE_BYTES.inc((n - spec.skip) * self._token_bytes())
-            self.stats.add(saves=1, saved_tokens=n - spec.skip, save_seconds=dt)
+            M.SAVE_BYTES.inc((stored_end - spec.skip) * self._token_bytes())
+            self.stats.add(saves=1, saved_tokens=stored_end - spec.skip, save_seconds=dt)
+
+    #: a store that found LMCache's host pool full waits at most this long for queued SSD writes, then retries
+    STORE_RETRY_WAIT_S = 1.0
+
+    def _store(self, spec: Any, n: int) -> int:
+        """Store `spec`'s chunks; returns the end of what LMCache stored. LMCache stores chunks in order and
+        skips the rest at the first one its host pool has no room for (nothing evictable): queued SSD writes
+        hold part of that pool, so the store waits for them once and retries from that chunk; what still does
+        not fit is counted (`kvtier_host_pool_lost_chunks_total`)."""
+        tokens = torch.tensor(spec.token_ids, dtype=torch.long)
+        slots = slot_mapping(spec.block_ids, self.block_size, n)
+        watch, skip = self.ssd.pool_watch, spec.skip
+        for attempt in range(2):
+            mask = torch.ones(n, dtype=torch.bool)
+            mask[:skip] = False
+            with watch.scope("store") as sc:
+                self.engine.store(tokens, mask=mask, kvcaches=self.kv_list, slot_mapping=slots, req_id=spec.req_id)
+            skip += sc.ok * self.cfg.chunk_size
+            if not sc.failed or skip >= n:
+                return n
+            if attempt == 0:
+                self.ssd.flush(self.STORE_RETRY_WAIT_S)
+        watch.report_lost("store", -(-(n - skip) // self.cfg.chunk_size))
+        return skip
 
     def clear(self) -> None:
         self._metadata = None
@@ -404,9 +425,12 @@ class WorkerSide:
             from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
             try:
-                if self.ssd is not None:
-                    self.ssd.flush(60)
+                flushed = self.ssd.flush(60) if self.ssd is not None else True
+                chunks = len(self.ssd.tier) if self.ssd is not None and self.ssd.tier is not None else 0
                 LMCacheEngineBuilder.destroy(self.instance_id)
+                logger.info("kvtier connector worker rank %d closed: %s, %d chunks on the SSD tier", self.rank,
+                            "queued SSD writes committed" if flushed else "SSD writes still queued after 60 s lost",
+                            chunks)
             except Exception:
                 logger.exception("kvtier: closing the LMCache engine failed")
             self.engine = None

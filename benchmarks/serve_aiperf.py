@@ -1,0 +1,315 @@
+"""`vllm serve` with and without kvtier, driven by aiperf (NVIDIA's benchmark client, PyPI `aiperf`).
+
+    python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf==0.13.0   # its own environment
+    .venv/bin/python benchmarks/serve_aiperf.py --aiperf /tmp/aiperf-venv/bin/aiperf [--rounds 2] [--concurrency 4]
+
+Two servers of the demo model (`kvtier demo-model`: tiny random Llama + the shipped tokenizer) on vLLM's CPU
+build, with identical vLLM settings: `base` (vLLM alone, its own prefix cache) and `kvtier` (kvtier's connector
+and `--scheduler-cls kvtier.scheduler_hooks.DualQueueScheduler`). Both run at the same time but only one is
+loaded at a time; per round, each workload runs on `base` then on `kvtier`:
+
+- `reuse`: the shipped Mooncake conversation trace (`demo_data/mooncake_conversation_sessions.jsonl`, 60 whole
+  conversations) replayed by aiperf's `mooncake_trace` loader at a fixed concurrency (equal load), with one
+  512-token trace block scaled to `--block-tokens` tokens and answers scaled alike; requests whose scaled prompt
+  exceeds `--max-prompt-tokens` are held out (reported). A *follow-up turn* is a request that shares at least
+  two leading blocks with an earlier one (block 0 is the trace's common system prompt).
+- `no-reuse`: the same requests (same lengths, same concurrency) with every block made unique: no prefix is
+  ever reused, so what kvtier costs (lookups, saves, SSD writes) is all that differs.
+
+Every round uses a new `--random-seed` for aiperf (new prompt text), so no round finds the previous one's KV.
+Printed: TTFT mean / p50 / p99 of all requests, of follow-up turns and of first turns, requests/s and output
+tokens/s, with base/kvtier TTFT ratios (speed-up) and kvtier/base throughput ratios, per round and as medians over
+rounds. Targets (issue 16): follow-up-turn TTFT >= 2x better at equal load; <= 3% throughput lost without reuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.demo_data import path as data_path
+from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, build
+from kvtier.tools.serve_process import ServeProcess, free_port
+
+TRACE_BLOCK = 512  # tokens per Mooncake hash id
+TOKENIZER_REPO = "local/kvtier-tiny"
+SNAPSHOT = "0" * 40
+
+
+# --------------------------------------------------------------------------------------------- workloads
+def read_trace(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def scale(rows: list[dict[str, Any]], block: int, max_prompt: int, max_answer: int
+          ) -> tuple[list[dict[str, Any]], int]:
+    """Rows with prompts and answers scaled from 512-token blocks to `block` tokens; (rows, held out)."""
+    out, held = [], 0
+    for r in rows:
+        n = len(r["hash_ids"])
+        last = r["input_length"] - (n - 1) * TRACE_BLOCK
+        tokens = (n - 1) * block + max(1, min(block, round(last * block / TRACE_BLOCK)))
+        if tokens > max_prompt:
+            held += 1
+            continue
+        answer = max(2, min(max_answer, round(r["output_length"] * block / TRACE_BLOCK)))
+        out.append({"timestamp": r["timestamp"], "input_length": tokens, "output_length": answer,
+                    "hash_ids": list(r["hash_ids"])})
+    return out, held
+
+
+def follow_ups(rows: list[dict[str, Any]]) -> list[bool]:
+    """Whether each row shares >= 2 leading blocks with an earlier row (a conversation's later turn)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in rows:
+        h = tuple(r["hash_ids"])
+        out.append(len(h) >= 2 and h[:2] in seen)
+        for k in range(1, len(h) + 1):
+            seen.add(h[:k])
+    return out
+
+
+def without_reuse(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same requests with every block unique (no shared prefix at all)."""
+    nxt = 0
+    out = []
+    for r in rows:
+        ids = list(range(nxt, nxt + len(r["hash_ids"])))
+        nxt += len(ids)
+        out.append(dict(r, hash_ids=ids))
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def hf_cache(model: Path, hf_home: Path) -> None:
+    """The tokenizer laid out as a Hugging Face hub cache entry (`local/kvtier-tiny`): aiperf is offline."""
+    snap = hf_home / "hub" / f"models--{TOKENIZER_REPO.replace('/', '--')}" / "snapshots" / SNAPSHOT
+    snap.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copyfile(model / name, snap / name)
+    refs = snap.parent.parent / "refs"
+    refs.mkdir(exist_ok=True)
+    (refs / "main").write_text(SNAPSHOT)
+
+
+# --------------------------------------------------------------------------------------------- aiperf
+def run_aiperf(aiperf: str, srv: ServeProcess, trace: Path, out: Path, args: argparse.Namespace, seed: int,
+               hf_home: Path) -> list[dict[str, Any]]:
+    """One aiperf profile of every request of `trace` against `srv`; its per-request records."""
+    n_requests = sum(1 for line in trace.read_text().splitlines() if line.strip())
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("PYTHONPATH", None)
+    cmd = [aiperf, "profile", "--model", srv.model, "--url", srv.url, "--endpoint-type", "completions",
+           "--streaming", "--tokenizer", TOKENIZER_REPO, "--input-file", str(trace), "--custom-dataset-type",
+           "mooncake_trace", "--isl-block-size", str(args.block_tokens), "--no-fixed-schedule",
+           "--concurrency", str(args.concurrency), "--request-count", str(n_requests), "--random-seed", str(seed),
+           "--extra-inputs",
+           "ignore_eos:true", "--output-artifact-dir", str(out), "--ui-type", "none"]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    (out / "aiperf.stdout").parent.mkdir(parents=True, exist_ok=True)
+    (out / "aiperf.stdout").write_text(p.stdout + "\n" + p.stderr)
+    if p.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({p.returncode}) after {time.monotonic() - t0:.0f} s:\n"
+                           f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    found = sorted(out.rglob("profile_export.jsonl"))
+    if not found:
+        raise RuntimeError(f"aiperf wrote no profile_export.jsonl under {out}")
+    return [json.loads(line) for line in found[0].read_text().splitlines() if line.strip()]
+
+
+def _metric(rec: dict[str, Any], name: str) -> float | None:
+    m = (rec.get("metrics") or {}).get(name)
+    if m is None:
+        return None
+    return float(m["value"] if isinstance(m, dict) else m)
+
+
+def summarize(records: list[dict[str, Any]], follow: list[bool]) -> dict[str, float]:
+    """TTFT (ms) stats overall / follow-up turns / first turns, requests/s and output tokens/s."""
+    recs = []
+    for rec in records:  # aiperf's mooncake_trace loader makes row i the conversation "session_<i>"
+        md = rec.get("metadata") or {}
+        conv = str(md.get("conversation_id", ""))
+        idx = int(conv.rsplit("_", 1)[1]) if conv.rsplit("_", 1)[-1].isdigit() else md.get("session_num")
+        recs.append((idx, rec, md))
+    ttft = {"all": [], "follow": [], "first": []}
+    starts, ends, out_tokens, errors = [], [], 0, 0
+    for i, (idx, rec, md) in enumerate(recs):
+        if rec.get("error"):
+            errors += 1
+            continue
+        t = _metric(rec, "time_to_first_token")
+        if t is None:
+            errors += 1
+            continue
+        ttft["all"].append(t)
+        row = int(idx) if isinstance(idx, int) and 0 <= idx < len(follow) else i
+        ttft["follow" if follow[row] else "first"].append(t)
+        out_tokens += int(_metric(rec, "usage_completion_tokens") or _metric(rec, "output_sequence_length") or 0)
+        starts.append(int(md.get("request_start_ns", 0)))
+        ends.append(int(md.get("request_end_ns", 0)))
+    wall = (max(ends) - min(starts)) / 1e9 if starts else float("nan")
+    out: dict[str, float] = {"requests": len(ttft["all"]), "errors": errors, "wall_s": wall,
+                             "req_per_s": len(ttft["all"]) / wall if wall else float("nan"),
+                             "out_tok_per_s": out_tokens / wall if wall else float("nan")}
+    for k, xs in ttft.items():
+        out[f"ttft_{k}_mean"] = statistics.mean(xs) if xs else float("nan")
+        out[f"ttft_{k}_p50"] = _pct(xs, 0.5)
+        out[f"ttft_{k}_p99"] = _pct(xs, 0.99)
+        out[f"n_{k}"] = len(xs)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# --------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--aiperf", default=shutil.which("aiperf") or "aiperf", help="the aiperf command")
+    p.add_argument("--trace", default=data_path("mooncake_conversation_sessions.jsonl"))
+    p.add_argument("--requests", type=int, default=0, help="use only the first N requests of the trace (0: all)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block")
+    p.add_argument("--max-prompt-tokens", type=int, default=1536, help="hold out longer (scaled) requests")
+    p.add_argument("--max-answer-tokens", type=int, default=24)
+    p.add_argument("--gpu-blocks", type=int, default=160, help="vLLM KV cache of both servers, in 32-token blocks")
+    p.add_argument("--host-mb", type=float, default=32, help="kvtier's host tier")
+    p.add_argument("--ssd-mb", type=float, default=1024, help="kvtier's SSD tier")
+    p.add_argument("--ssd-path", default=None, help="SSD tier directory (default: in the work directory)")
+    p.add_argument("--workdir", default=None, help="keep logs and aiperf artifacts here")
+    p.add_argument("--port", type=int, default=18060, help="first port to try")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one aiperf run may take")
+    p.add_argument("--json", default=None, help="write all summaries here")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers (finally below) when killed
+    if not shutil.which(args.aiperf) and not os.path.exists(args.aiperf):
+        print(f"aiperf not found ({args.aiperf}); install it in its own environment (it pins other versions "
+              "of prometheus_client, psutil, pyzmq, ... than vLLM): python3 -m venv /tmp/aiperf-venv && "
+              "/tmp/aiperf-venv/bin/pip install aiperf==0.13.0, then --aiperf /tmp/aiperf-venv/bin/aiperf")
+        return 2
+
+    own = args.workdir is None
+    work = Path(tempfile.mkdtemp(prefix="kvtier-serve-bench-") if own else args.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rows = read_trace(args.trace)[:args.requests or None]
+    reuse, held = scale(rows, args.block_tokens, args.max_prompt_tokens, args.max_answer_tokens)
+    follow = follow_ups(reuse)
+    noreuse = without_reuse(reuse)
+    write_jsonl(work / "reuse.jsonl", reuse)
+    write_jsonl(work / "no-reuse.jsonl", noreuse)
+    model = Path(build(str(work / "model")))
+    hf_home = work / "hf"
+    hf_cache(model, hf_home)
+    page, chunk = 32, 64
+    max_len = -(-(args.max_prompt_tokens + args.max_answer_tokens) // page) * page
+    ssd = args.ssd_path or str(work / "ssd")
+    yaml = work / "lmcache-kvtier.yaml"
+    yaml.write_text(f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {args.host_mb / 1024:.9f}\n"
+                    "pre_caching_hash_algorithm: sha256_cbor\nstorage_plugins: [\"kvtier\"]\nextra_config:\n"
+                    "  storage_plugin.kvtier.module_path: kvtier.storage_backends\n"
+                    "  storage_plugin.kvtier.class_name: KVTierBackend\n"
+                    f"  kvtier.ssd_path: {ssd}\n  kvtier.ssd_capacity_gb: {args.ssd_mb / 1024:.9f}\n")
+    kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector", "kv_role": "kv_both",
+          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config_file": str(yaml)}}
+    vllm_args = ["--dtype", "float32", "--max-model-len", str(max_len), "--block-size", str(page),
+                 "--num-gpu-blocks-override", str(args.gpu_blocks), "--enforce-eager", "--seed", "0",
+                 "--max-num-seqs", str(max(4, args.concurrency)), "--shutdown-timeout", "10"]
+    n_follow = sum(follow)
+    print(f"serve benchmark: {len(reuse)} requests of {args.trace} ({held} held out: scaled prompt > "
+          f"{args.max_prompt_tokens} tokens), {n_follow} follow-up turns; one 512-token block = {args.block_tokens} "
+          f"tokens, answers <= {args.max_answer_tokens} tokens (ignore_eos); aiperf mooncake_trace, concurrency "
+          f"{args.concurrency}, streaming completions, {args.rounds} round(s)")
+    print(f"  both servers: demo model, vLLM CPU, {args.gpu_blocks} x {page}-token KV blocks "
+          f"({args.gpu_blocks * page} tokens, {args.gpu_blocks * page * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB), "
+          f"prefix caching on; kvtier: host tier {args.host_mb:g} MiB, SSD tier {args.ssd_mb:g} MiB at {ssd}")
+    servers: dict[str, ServeProcess] = {}
+    results: dict[str, dict[str, list[dict[str, float]]]] = {w: {"base": [], "kvtier": []}
+                                                             for w in ("reuse", "no-reuse")}
+    try:
+        servers["base"] = ServeProcess("base", work, model, free_port(args.port), vllm_args)
+        servers["kvtier"] = ServeProcess("kvtier", work, model, free_port(args.port), vllm_args, [
+            "--kv-transfer-config", json.dumps(kv), "--scheduler-cls", "kvtier.scheduler_hooks.DualQueueScheduler"])
+        deadline = time.monotonic() + 600
+        for s in servers.values():
+            s.wait_ready(deadline)
+        for rnd in range(args.rounds):
+            seed = 1000 + rnd
+            for wl, trace in (("reuse", work / "reuse.jsonl"), ("no-reuse", work / "no-reuse.jsonl")):
+                for name in ("base", "kvtier"):
+                    t0 = time.monotonic()
+                    recs = run_aiperf(args.aiperf, servers[name], trace, work / f"r{rnd}-{wl}-{name}", args, seed,
+                                      hf_home)
+                    res = summarize(recs, follow)
+                    results[wl][name].append(res)
+                    print(f"  round {rnd + 1} {wl:<8} {name:<6}: {res['requests']:.0f} requests "
+                          f"({res['errors']:.0f} errors) in {res['wall_s']:.0f} s, TTFT follow-up mean "
+                          f"{res['ttft_follow_mean']:.0f} ms, {res['req_per_s']:.2f} req/s "
+                          f"[{time.monotonic() - t0:.0f} s]", flush=True)
+        final = servers["kvtier"].metrics()
+    finally:
+        for s in servers.values():
+            s.stop()
+    report(results, args)
+    hits = {t: final.get(("kvtier_connector_hit_tokens_total", (("tier", t),)), 0.0) for t in
+            ("gpu", "host", "ssd", "miss")}
+    print(f"\nkvtier server /metrics (whole run): hit tokens {hits}, host-pool exhausted "
+          f"{ {k[1][0][1]: v for k, v in final.items() if k[0] == 'kvtier_host_pool_exhausted_total'} }, "
+          f"lost {sum(v for k, v in final.items() if k[0] == 'kvtier_host_pool_lost_chunks_total'):.0f} chunks, "
+          f"SSD puts {final.get(('kvtier_ssd_puts_total', ()), 0):.0f}, SSD hits "
+          f"{final.get(('kvtier_ssd_hits_total', ()), 0):.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "held_out": held, "results": results}, indent=1))
+    if own:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def report(results: dict[str, dict[str, list[dict[str, float]]]], args: argparse.Namespace) -> None:
+    med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
+    for wl, by in results.items():
+        print(f"\n{wl}: medians over {len(by['base'])} round(s) (TTFT in ms)")
+        head = f"{'':<18}{'base':>10}{'kvtier':>10}{'ratio':>9}   per round"
+        print(head)
+        print("-" * len(head))
+        keys = [("ttft_follow_mean", "TTFT follow mean"), ("ttft_follow_p50", "TTFT follow p50"),
+                ("ttft_follow_p99", "TTFT follow p99"), ("ttft_first_mean", "TTFT first mean"),
+                ("ttft_all_mean", "TTFT all mean"), ("ttft_all_p50", "TTFT all p50"),
+                ("ttft_all_p99", "TTFT all p99"), ("req_per_s", "requests/s"), ("out_tok_per_s", "output tok/s")]
+        for k, label in keys:
+            if wl == "no-reuse" and k.startswith("ttft_follow"):
+                continue
+            b, t = med(by["base"], k), med(by["kvtier"], k)
+            speed = k.startswith("ttft")
+            ratio = (b / t if speed else t / b) if b and t else float("nan")
+            per = " ".join(f"{(x[k] / y[k] if speed else y[k] / x[k]):.2f}" for x, y in zip(by["base"], by["kvtier"]))
+            print(f"{label:<18}{b:>10.1f}{t:>10.1f}{ratio:>8.2f}x   {per}")
+        print("(ratio: TTFT base/kvtier = kvtier's speed-up; throughput kvtier/base)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""A `kvtier serve` (= `vllm serve`) subprocess of the demo model on CPU, for tests and benchmarks.
+
+    srv = ServeProcess("kvtier", workdir, model_dir, port, extra=["--kv-transfer-config", ...])
+    srv.wait_ready(deadline)           # /health answers, or the log's end in the error
+    srv.metrics()                      # /metrics parsed: {(sample name, labels): value}
+    srv.stop()                         # SIGINT as a user would, SIGKILL to the whole session on timeout
+
+The server runs in its own session (process group), its output goes to `workdir/NAME.log`, and `stop()` leaves
+no process behind. Settings for a 2-core machine: one unbound OpenMP thread, 1 GiB of vLLM CPU KV space.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+#: environment of a CPU server: offline, one compute thread, a small KV space, no LMCache telemetry
+SERVER_ENV = {"LMCACHE_TRACK_USAGE": "false", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+              "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+_TAKEN: set[int] = set()  # handed out in this process: a server binds its port only at the end of its start-up
+
+
+def free_port(lo: int = 18040, n: int = 60) -> int:
+    """A port of 127.0.0.1 in [lo, lo + n) that is free now and not handed out before by this process."""
+    for port in range(lo, lo + n):
+        if port in _TAKEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _TAKEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in {lo}..{lo + n - 1}")
+
+
+def http_get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def http_post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class ServeProcess:
+    def __init__(self, name: str, workdir: Path, model: Path | str, port: int, vllm_args: list[str],
+                 extra: list[str] = (), env: dict[str, str] | None = None) -> None:
+        self.name, self.port, self.model = name, port, str(model)
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(workdir) / f"{name}.log"
+        full_env = dict(os.environ, **SERVER_ENV, **(env or {}))
+        full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # vLLM's default metrics set-up
+        cmd = [sys.executable, "-m", "kvtier.cli", "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
+               *vllm_args, *extra]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until /health answers (monotonic `deadline`); raises with the log's end if the server died or is late."""
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                http_get(self.url + "/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError(f"{self.name} is not up in time:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int = 16) -> dict[str, Any]:
+        return http_post(self.url + "/v1/chat/completions", {"model": self.model, "messages": messages,
+                                                            "max_tokens": max_tokens, "temperature": 0.0})
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """/metrics as {(sample name, ((label, value), ...)): value}, labels other than engine/model dropped."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {}
+        for fam in text_string_to_metric_families(http_get(self.url + "/metrics")):
+            for s in fam.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("engine", "model_name")))
+                out[(s.name, labels)] = s.value
+        return out
+
+    def stop(self, timeout: float = 90, sweep: bool = True) -> int | None:
+        """SIGINT (Ctrl-C); SIGKILL to the whole session if it has not exited after `timeout` s, and (`sweep`)
+        to whatever of its session outlived it. Idempotent; returns the server's exit status."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGINT)
+                self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            if sweep:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # anything of its session still there
+                except ProcessLookupError:
+                    pass
+            if not self._log.closed:
+                self._log.close()
+        return self.proc.returncode
