@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                   "kvtier"),
     "replay": ("kvtier.tools.replay", "replay a request trace against eviction policies"),
     "simulate": ("kvtier.tools.simulate", "discrete-event replay of scheduling policies"),
+    "workload": ("kvtier.tools.workloads", "generate a synthetic request trace (shared-prefix agent workload)"),
 }
 
 

@@ -8,8 +8,8 @@ Queues of a `DualQueuePolicy`:
   (`TierState.READY` / `MISS`). Order (`ready_order`): `arrival` (Bidaw) is FCFS by the *original arrival time*
   (a request promoted from the preparing queue, its SSD data landed in host memory, is inserted at its arrival
   position, not at the tail); `hrrn` (SGLang's prefill policy) is highest response ratio next,
-  1 + waiting time / estimated service time, the service time being the GPU seconds of its uncached part (the
-  load plan's cost model: short prefills go first, waiting raises every ratio). `pick` returns the first ready
+  (waiting time + 1 ms) / estimated service time, the service time being the GPU seconds of its uncached part
+  and its loads (the load plan's cost model: short prefills go first, waiting raises every ratio). `pick` returns the first ready
   request in that order that fits the free GPU memory: a request too large for it is skipped, it does not block
   the queue.
 - **preparing**: requests with part of their prefix only on the SSD (`PREPARING`), in disk-HRRN order
@@ -51,7 +51,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from kvtier.scheduler_hooks.hrrn import GiB, DiskHRRNQueue
-from kvtier.scheduler_hooks.load_plan import LoadPlanConfig, LoadPlanner
+from kvtier.scheduler_hooks.load_plan import LOAD_PLAN_KEYS, LoadPlanConfig, LoadPlanner
+from kvtier.scheduler_hooks.ratio_index import RatioIndex
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ __all__ = [
     "DUAL_QUEUE_MODIFIERS",
     "KVTIER_SCHEDULER_NAMES",
     "READY_ORDERS",
+    "SCHEDULER_KEYS",
     "SCHEDULER_NAMES",
     "DualQueueConfig",
     "DualQueuePolicy",
@@ -71,6 +73,9 @@ __all__ = [
 
 
 READY_ORDERS = ("arrival", "hrrn")
+#: keys of `kv_connector_extra_config["kvtier.scheduler"]` (README, "Using kvtier with vLLM")
+SCHEDULER_KEYS = ("delay_hit", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s",
+                  "mean_window", "ready_order") + LOAD_PLAN_KEYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,44 @@ class DualQueueConfig:
     #: the load-or-recompute decision's knobs and cost model (also the service-time estimate of `hrrn`)
     load_plan: LoadPlanConfig = field(default_factory=LoadPlanConfig)
 
+    @classmethod
+    def from_keys(cls, keys: dict | None, *, gpu_capacity: int | None = None, kv_bytes_per_token: int | None = None,
+                  prefix: str = "kvtier.scheduler") -> "DualQueueConfig":
+        """Build from the `kvtier.scheduler` dict of `kv_connector_extra_config` (keys: SCHEDULER_KEYS); a wrong key
+        or value raises ValueError naming the key and what it accepts."""
+        keys = dict(keys or {})
+        unknown = sorted(set(keys) - set(SCHEDULER_KEYS))
+        if unknown:
+            raise ValueError(f"{prefix}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SCHEDULER_KEYS)}")
+        out: dict = {}
+        if "delay_hit" in keys:
+            if not isinstance(keys["delay_hit"], bool):
+                raise ValueError(f"{prefix}.delay_hit must be true or false, got {keys['delay_hit']!r}")
+            out["delay_hit"] = keys["delay_hit"]
+        for key in ("delay_hit_threshold_tokens", "mean_window"):
+            if key in keys:
+                v = keys[key]
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"{prefix}.{key} must be an integer >= 1, got {v!r}")
+                out[key] = v
+        for key, lo in (("starvation_multiple", 0.0), ("starvation_floor_s", None)):
+            if key in keys:
+                v = keys[key]
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and \
+                    (v > lo if lo is not None else v >= 0)
+                if not ok:
+                    raise ValueError(f"{prefix}.{key} must be a number {'> 0' if lo is not None else '>= 0'}, "
+                                     f"got {v!r}")
+                out[key] = float(v)
+        if "ready_order" in keys:
+            if keys["ready_order"] not in READY_ORDERS:
+                raise ValueError(f"{prefix}.ready_order must be one of {', '.join(READY_ORDERS)}, got "
+                                 f"{keys['ready_order']!r}")
+            out["ready_order"] = keys["ready_order"]
+        plan = LoadPlanConfig.from_keys({k: v for k, v in keys.items() if k in LOAD_PLAN_KEYS},
+                                        kv_bytes_per_token=kv_bytes_per_token, prefix=prefix)
+        return cls(gpu_capacity=gpu_capacity, load_plan=plan, **out)
+
     def __post_init__(self) -> None:
         if self.ready_order not in READY_ORDERS:
             raise ValueError(f"ready_order must be one of {', '.join(READY_ORDERS)}, got {self.ready_order!r}")
@@ -102,6 +145,9 @@ class DualQueueConfig:
             raise ValueError("mean_window must be >= 1")
 
 
+#: HRRN's ratio is (waiting time + this) / service: among requests that waited equally long (a burst arriving at
+#: once) the shortest goes first
+_RATIO_EPS_S = 1e-3
 _BUCKETS = 64  # log buckets of service time: 2**(k/4) ms, 0.5 ms .. ~28 min
 
 
@@ -119,6 +165,7 @@ class _Waiting:
     where: str = ""  # "ready" | "preparing" | "loading"
     key: tuple = field(default=())  # (arrival, seq): position in the ready list
     service: float = 0.0  # estimated GPU seconds (ready requests)
+    inv: float = 0.0  # 1 / service: HRRN's ratio grows at this rate
 
 
 class SchedulingPolicy(Protocol):
@@ -173,12 +220,14 @@ class DualQueuePolicy:
         self.config = config or DualQueueConfig()
         self.planner = LoadPlanner(self.config.load_plan)
         self._reqs: dict[str, _Waiting] = {}
-        self._ready: list[tuple[float, int, str]] = []  # sorted by (arrival, seq)
+        #: ready entries (arrival, seq, request id, its _Waiting), sorted by (arrival, seq), which are unique
+        self._ready: list[tuple[float, int, str, _Waiting]] = []
         self._preparing = DiskHRRNQueue(self.config.hrrn_byte_unit)
         self._loading: set[str] = set()
         self._seq = 0
         self._waits = _WaitStats(self.config.mean_window)
         self._hrrn = self.config.ready_order == "hrrn"
+        self._index = RatioIndex(_RATIO_EPS_S) if self._hrrn else None  # the ready requests, for HRRN
         self._ready_work = 0.0  # sum of the ready requests' service estimates
         self._work_buckets = [0.0] * _BUCKETS  # the same, by service time (log buckets), for HRRN's wait estimate
         self._prep_bytes = 0  # SSD bytes of preparing + loading requests
@@ -208,7 +257,7 @@ class DualQueuePolicy:
         return list(self._reqs)
 
     def ready_ids(self) -> list[str]:
-        return [rid for _, _, rid in self._ready]
+        return [e[2] for e in self._ready]
 
     def preparing_ids(self, now: float = 0.0) -> list[str]:
         return self._preparing.ordered(now)
@@ -217,7 +266,7 @@ class DualQueuePolicy:
         return sorted(self._loading, key=lambda r: self._reqs[r].key)
 
     def deferred_ids(self) -> list[str]:
-        return [rid for _, _, rid in self._ready if self._deferred(self._reqs[rid])]
+        return [e[2] for e in self._ready if self._deferred(e[3])]
 
     def gpu_backlog_s(self, exclude: str | None = None) -> float:
         """Estimated GPU seconds of every ready request but `exclude` (the plan's estimate of the wait a request
@@ -297,6 +346,8 @@ class DualQueuePolicy:
             i = bisect.bisect_left(self._ready, w.key + (rid,))
             if i < len(self._ready) and self._ready[i][2] == rid:
                 del self._ready[i]
+            if self._index is not None:
+                self._index.remove(rid)
             self._ready_work -= w.service
             self._work_buckets[_bucket(w.service)] -= w.service
             if not self._ready:
@@ -313,11 +364,14 @@ class DualQueuePolicy:
     def _place(self, w: _Waiting) -> None:
         rid, state = w.hint.request_id, w.hint.state
         if state.schedulable:
-            bisect.insort(self._ready, w.key + (rid,))  # by original arrival, whatever the promotion time
+            bisect.insort(self._ready, w.key + (rid, w))  # by original arrival, whatever the promotion time
             w.where = "ready"
             w.service = self.service_s(w.hint)
+            w.inv = 1.0 / w.service
             self._ready_work += w.service
             self._work_buckets[_bucket(w.service)] += w.service
+            if self._index is not None:
+                self._index.put(rid, w.hint.arrival, w.inv, w.gpu_need, self._deferred(w))
         elif state is TierState.LOADING:
             self._loading.add(rid)
             w.where = "loading"
@@ -361,9 +415,12 @@ class DualQueuePolicy:
                 self._work_buckets[_bucket(w.service)] -= w.service
                 self._work_buckets[_bucket(service)] += service
                 w.service = service
+                w.inv = 1.0 / service
             else:
                 self._prep_bytes += hint.ssd_bytes - w.hint.ssd_bytes
             w.hint = hint
+            if old == "ready" and self._index is not None:
+                self._index.put(hint.request_id, hint.arrival, w.inv, w.gpu_need, self._deferred(w))
             return
         self._detach(w)
         w.hint = hint
@@ -410,23 +467,16 @@ class DualQueuePolicy:
         cap = self.config.gpu_capacity
         return now - w.hint.arrival > threshold and (cap is None or w.gpu_need <= cap)
 
-    def _by_ratio(self, entries: list[tuple[float, int, str]], now: float) -> list[tuple[float, int, str]]:
-        """Ready entries, highest response ratio first (1 + wait / service orders as wait / service); ties: the
-        shorter service, then the earlier arrival."""
-        reqs = self._reqs
-        return sorted(entries, key=lambda e: (-(max(now - e[0], 0.0) / reqs[e[2]].service), reqs[e[2]].service,
-                                              e[0], e[1]))
-
     def pick(self, now: float, free_gpu: int | None = None) -> str | None:
         """The next ready request to admit (not removed; call `dispatched` once admitted), or None.
 
         `free_gpu=None` means no memory check. Returns None when the oldest ready request is starving and does not
         fit: the caller then waits for memory to free up instead of admitting younger requests (the bound).
         """
-        if not self._ready:
+        ready = self._ready
+        if not ready:
             return None
-        reqs = self._reqs
-        head = reqs[self._ready[0][2]]
+        head = ready[0][3]
         if self._starving(head, now, self.starvation_threshold()):
             fits = free_gpu is None or head.gpu_need <= free_gpu
             if not fits or self._deferred(head):
@@ -434,30 +484,20 @@ class DualQueuePolicy:
             return head.hint.request_id if fits else None
         delay_hit = self.config.delay_hit
         thr = self.config.delay_hit_threshold_tokens
-        if self._hrrn:
-            best: _Waiting | None = None
-            best_key = 0.0
-            for arrival, _, rid in self._ready:
-                w = reqs[rid]
-                if delay_hit and w.hint.inflight_tokens >= thr:
-                    self.stats["deferred_delay_hit"] += 1
-                    continue
-                if free_gpu is not None and w.gpu_need > free_gpu:
-                    self.stats["skipped_oversized"] += 1
-                    continue
-                key = max(now - arrival, 0.0) / w.service
-                if best is None or key > best_key or (key == best_key and w.service < best.service):
-                    best, best_key = w, key
-            return None if best is None else best.hint.request_id
-        for _, _, rid in self._ready:
-            w = reqs[rid]
+        big = free_gpu if free_gpu is not None else float("inf")
+        if self._index is not None:  # highest (now + eps - arrival) / service first
+            rid, deferred, oversized = self._index.best(now, big)
+            self.stats["deferred_delay_hit"] += deferred
+            self.stats["skipped_oversized"] += oversized
+            return rid
+        for e in ready:
+            w = e[3]
             if delay_hit and w.hint.inflight_tokens >= thr:
                 self.stats["deferred_delay_hit"] += 1
-                continue
-            if free_gpu is not None and w.gpu_need > free_gpu:
+            elif w.gpu_need > big:
                 self.stats["skipped_oversized"] += 1
-                continue
-            return rid
+            else:
+                return e[2]
         return None
 
     def order(self, now: float, free_gpu: int | None = None, with_prefetch_order: bool = False) -> list[str]:
@@ -471,28 +511,34 @@ class DualQueuePolicy:
         """
         out: list[str] = []
         later: list[str] = []
-        free = free_gpu
+        free = free_gpu if free_gpu is not None else float("inf")
         rest = self._ready
         if rest:
-            head = self._reqs[rest[0][2]]
+            head = rest[0][3]
             if self._starving(head, now, self.starvation_threshold()):
                 out.append(head.hint.request_id)
-                if free is not None and head.gpu_need > free:
-                    later = [rid for _, _, rid in rest[1:]]  # the scheduler stops at the head: reserve for it
+                if head.gpu_need > free:
+                    later = [e[2] for e in rest[1:]]  # the scheduler stops at the head: reserve for it
                     rest = []
                 else:
                     rest = rest[1:]
-                    if free is not None:
-                        free -= head.gpu_need
-        if rest and self._hrrn:
-            rest = self._by_ratio(rest, now)
-        for _, _, rid in rest:
-            w = self._reqs[rid]
-            if self._deferred(w) or (free is not None and w.gpu_need > free):
-                later.append(rid)
-                continue
-            out.append(rid)
-            if free is not None:
+                    free -= head.gpu_need
+        if rest and self._index is not None:
+            first, other = self._index.order(now, free)
+            if out:  # the starving head is already placed
+                first = [r for r in first if r != out[0]]
+                other = [r for r in other if r != out[0]]
+            out.extend(first)
+            later.extend(other)
+            rest = []
+        delay_hit = self.config.delay_hit
+        thr = self.config.delay_hit_threshold_tokens
+        for e in rest:
+            w = e[3]
+            if (delay_hit and w.hint.inflight_tokens >= thr) or w.gpu_need > free:
+                later.append(e[2])
+            else:
+                out.append(e[2])
                 free -= w.gpu_need
         out.extend(later)
         if with_prefetch_order:
@@ -500,7 +546,7 @@ class DualQueuePolicy:
             out.extend(self.prefetch_order(now))
         else:  # a connector answers "not yet" for all of them: their relative order does not matter
             out.extend(self._loading)
-            out.extend(e.request_id for e in self._preparing)
+            out.extend(self._preparing.ids())
         return out
 
     def dispatched(self, request_id: str, now: float) -> None:

@@ -154,6 +154,17 @@ def test_delay_hit_waits_for_a_prefix_being_computed_instead_of_recomputing_it()
     assert high.run().recomputed["inflight"] == 10 * 512
 
 
+def test_delay_hit_sees_a_prefix_that_an_admission_after_its_arrival_computes():
+    """A and B wait behind L; when A is admitted B's hint changes (production counts in-flight chunks live), so B
+    is held until A's prefix lands instead of recomputing it."""
+    reqs = [req("L", 0.0, range(100, 140)), req("A", 0.01, list(range(1, 11)) + [11]),
+            req("B", 0.02, list(range(1, 11)) + [12])]
+    plain = make(reqs, "dual-queue").run()
+    dh = make(reqs, "dual-queue+delay-hit").run()
+    assert plain.recomputed["inflight"] == 10 * 512 and dh.recomputed_tokens == 0
+    assert dh.tokens["gpu"] == 10 * 512 and dh.tokens["computed"] == plain.tokens["computed"] - 10 * 512
+
+
 def test_a_long_prefill_lands_its_earlier_chunks_before_the_next_admission():
     """A 20,480-token prefill runs in chunks of 8,192: when the next request is admitted (the last chunk starts),
     the blocks of the first two chunks (32 of 40) have landed; only the last chunk's 8 are in flight."""

@@ -278,6 +278,7 @@ class Simulator:
         self.staged: dict[str, set[int]] = {}  # blocks read for a waiting request (its pinned prefetch buffer)
         self.phase: dict[str, PrefetchPhase] = {}
         self.waiting: dict[str, SimRequest] = {}
+        self.waiters_of: dict[int, set[str]] = {}  # block -> waiting requests whose prompt holds it
         self.inflight_waiters: set[str] = set()
         self.reading: str | None = None
         self.jobs: deque[_Job] = deque()  # running job first, then at most one admitted behind it
@@ -510,6 +511,8 @@ class Simulator:
             return False
         self.host_policy.on_request(r.blocks, self.now)
         self.waiting[r.rid] = r
+        for b in r.blocks:
+            self.waiters_of.setdefault(b, set()).add(r.rid)
         self.phase[r.rid] = PrefetchPhase.NONE
         if self.prefetching:
             self._pin_prefix(r)
@@ -607,6 +610,12 @@ class Simulator:
             return False
         hint = self.policy.hint(rid)
         r = self.waiting.pop(rid)
+        for b in r.blocks:
+            ws = self.waiters_of.get(b)
+            if ws is not None:
+                ws.discard(rid)
+                if not ws:
+                    del self.waiters_of[b]
         self.policy.dispatched(rid, self.now)
         self.inflight_waiters.discard(rid)
         self.dispatch_order.append(rid)
@@ -659,8 +668,12 @@ class Simulator:
                 self.recomputed["evicted"] += t
         new = max(r.input_tokens - cached, 1 if r.input_tokens else 0)
         self.tokens["computed"] += new
+        affected: set[str] = set()
         for b in r.blocks[stop:]:
-            self.computing.setdefault(b, rid)
+            if self.computing.setdefault(b, rid) == rid:
+                affected |= self.waiters_of.get(b, set())
+        for w in affected:  # production's hints count in-flight chunks live: theirs change now
+            self._publish(w)
         self.held += self._need(r)
         self._gpu_trim()
         # computed blocks land when the last chunk starts (those before it) and when the prefill ends (the rest)
