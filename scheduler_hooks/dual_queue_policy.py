@@ -289,13 +289,14 @@ class DualQueuePolicy:
         return max(est, 0.0)
 
     def replan_idle(self, read_s: Callable[[TierHint], float], free_gpu: int | None = None) -> str | None:
-        """The GPU is about to idle with nothing admissible: recompute the SSD part of the preparing request that
-        gains most by it (`LoadPlanner.recompute_now`: an earlier first token than waiting for its read, `read_s`
-        seconds at best). Returns that request, now READY, or None. Requests whose read is issued keep it."""
+        """The GPU is about to idle with nothing admissible: recompute the SSD part of the preparing or loading
+        request that gains most by it (`LoadPlanner.recompute_now`: an earlier first token than waiting for its
+        read, which lands in `read_s(hint)` seconds at best; an issued read is left to finish into host memory).
+        Returns that request, now READY, or None."""
         best: _Waiting | None = None
         best_gain, best_read = 0.0, 0.0
-        for e in self._preparing:
-            w = self._reqs[e.request_id]
+        for rid in [e.request_id for e in self._preparing] + list(self._loading):
+            w = self._reqs[rid]
             plan = w.hint.plan
             if plan is None or (free_gpu is not None and w.gpu_need > free_gpu):
                 continue
@@ -397,6 +398,8 @@ class DualQueuePolicy:
         if w is None:
             self.add(hint, gpu_need or 0)
             return
+        if (hint is w.hint or hint == w.hint) and (gpu_need is None or gpu_need == w.gpu_need):
+            return  # the vLLM hook refreshes every waiting request's hint each step: most did not change
         if hint.arrival != w.hint.arrival:
             hint = replace(hint, arrival=w.hint.arrival)
         if gpu_need is not None:

@@ -23,13 +23,18 @@ Time to first token from now, with `gpu_wait` the time the request would wait fo
 
 The plan minimises `ttft(cut) + recompute_gpu_weight * gpu_seconds(cut)`: weight 0 is "never slower than no cache"
 for the request itself; a positive weight also charges the GPU time a recompute takes from the requests queued
-behind it (the engine's other customers). Ties go to the larger cut (fewer GPU seconds). A cut that only reaches
-into a part whose action is RECOMPUTE is never chosen (see `LoadPlan`).
+behind it (the engine's other customers). Ties go to the larger cut (fewer GPU seconds). The default weight is
+large: a request then prefetches its SSD part, and `recompute_now` recomputes it instead when the GPU is about to
+idle while its read has not started (`DualQueuePolicy.replan_idle`): never slower than no cache at an idle GPU,
+and no GPU time taken from queued requests otherwise. That combination queued best on the first 15 minutes of the
+Mooncake conversation trace (`benchmarks/scheduler_sim.py --tune`); weight 0 recomputed ~10% of the SSD hits at
+arrival and queued ~5% longer.
 
 The cost model's numbers (SSD and host bandwidth, prefill cost per token for this model and device) are
 configurable (`LoadPlanConfig`, from the `kvtier.scheduler` keys) and calibrated online where measured:
 `LoadPlanner.observe_ssd_read(nbytes, seconds)` (each prefetch) and `observe_prefill(new, cached, seconds)` (each
-prefill) move exponentially weighted estimates. Plain Python: no vLLM import.
+prefill) move exponentially weighted estimates. Decisions are counted in `kvtier_load_plan_*` metrics
+(`kvtier.scheduler_hooks.metrics`). Plain Python: no vLLM import.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
+
+from kvtier.scheduler_hooks import metrics as M
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +164,10 @@ class LoadPlanConfig:
     #: False: always load whatever is cached (the plan then only reports)
     load_or_recompute: bool = True
     cost: LoadCostModel = field(default_factory=LoadCostModel)
-    #: GPU seconds of a plan are charged this much on top of its TTFT (0: the request's own TTFT only)
-    recompute_gpu_weight: float = 0.0
+    #: GPU seconds of a plan are charged this much on top of its TTFT. 0: the request's own TTFT only (recompute
+    #: whenever that is sooner); the default, large, makes the plan recompute only where the GPU would otherwise
+    #: idle (`recompute_now`), which queued best in the simulator (a recompute delays everyone queued behind it)
+    recompute_gpu_weight: float = 1000.0
     #: move the SSD bandwidth and prefill speed toward what is observed
     calibrate: bool = True
     #: weight of one observation in the exponentially weighted estimates
@@ -242,6 +251,7 @@ class LoadPlanner:
         bw = (1 - w) * self.cost.ssd_read_bytes_per_s + w * (nbytes / seconds)
         self.cost = replace(self.cost, ssd_read_bytes_per_s=bw)
         self.stats["ssd_observations"] += 1
+        M.SSD_READ_BPS.set(bw)
 
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         """A prefill of `new_tokens` after `cached_tokens` took `seconds`: scales every prefill term."""
@@ -255,6 +265,7 @@ class LoadPlanner:
                             prefill_s_per_token_pair=c.prefill_s_per_token_pair * self._prefill_scale,
                             prefill_overhead_s=c.prefill_overhead_s * self._prefill_scale)
         self.stats["prefill_observations"] += 1
+        M.PREFILL_SCALE.set(self._prefill_scale)
 
     # --- the decision --------------------------------------------------------------------------------------------
     def service_s(self, prompt_tokens: int, use_tokens: int, loaded_tokens: int = 0) -> float:
@@ -315,6 +326,14 @@ class LoadPlanner:
             self.stats["plan_recompute_ssd"] += 1
         if host_a is LoadAction.RECOMPUTE:
             self.stats["plan_recompute_host"] += 1
+        if ssd_a is not LoadAction.NONE:
+            M.DECISION["ssd", ssd_a.value].inc()
+            if ssd_a is LoadAction.RECOMPUTE:
+                M.RECOMPUTED["ssd"].inc(hit_end - host_end)
+        if host_a is not LoadAction.NONE:
+            M.DECISION["host", host_a.value].inc()
+            if host_a is LoadAction.RECOMPUTE:
+                M.RECOMPUTED["host"].inc(max(host_end - gpu, 0))
         return plan
 
 
@@ -327,6 +346,8 @@ class LoadPlanner:
         if plan.fallback_gpu_s >= read_s + plan.gpu_s:
             return None
         self.stats["replan_recompute_ssd"] += 1
+        M.DECISION["ssd", "recompute"].inc()
+        M.RECOMPUTED["ssd"].inc(max(plan.use_tokens - plan.fallback_use_tokens, 0))
         return replace(plan, ssd=LoadAction.RECOMPUTE, host=plan.fallback_host, use_tokens=plan.fallback_use_tokens,
                        ttft_s=plan.fallback_gpu_s, gpu_s=plan.fallback_gpu_s, ready_s=0.0,
                        reason="the GPU is idle: recomputing the SSD part beats waiting for its read")

@@ -43,7 +43,7 @@ def test_cost_model_numbers():
 
 
 def test_idle_gpu_recomputes_the_ssd_part_and_a_waiting_request_prefetches_it():
-    p = LoadPlanner()
+    p = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0))  # the request's own first token only
     idle = p.plan(**SSD_CASE, context=PlanContext(gpu_wait_s=0.0))
     assert (idle.host, idle.ssd, idle.use_tokens) == (LoadAction.LOAD, LoadAction.RECOMPUTE, 4096)
     assert idle.ttft_s < READ_S and idle.ttft_s < idle.recompute_ttft_s  # never slower than no cache
@@ -57,24 +57,47 @@ def test_idle_gpu_recomputes_the_ssd_part_and_a_waiting_request_prefetches_it():
     assert p.stats["plans"] == 3 and p.stats["plan_prefetch"] == 1 and p.stats["plan_recompute_ssd"] == 2
 
 
+def test_decisions_are_counted_in_metrics():
+    from prometheus_client import REGISTRY
+
+    def sample(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = (sample("kvtier_load_plan_decisions_total", tier="ssd", action="recompute"),
+              sample("kvtier_load_plan_decisions_total", tier="ssd", action="prefetch"),
+              sample("kvtier_load_plan_decisions_total", tier="host", action="load"),
+              sample("kvtier_load_plan_recomputed_tokens_total", tier="ssd"))
+    p = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0))
+    p.plan(**SSD_CASE)  # idle: recompute the SSD part, load the host part
+    p.plan(**SSD_CASE, context=PlanContext(gpu_wait_s=3.0))  # prefetch
+    after = (sample("kvtier_load_plan_decisions_total", tier="ssd", action="recompute"),
+             sample("kvtier_load_plan_decisions_total", tier="ssd", action="prefetch"),
+             sample("kvtier_load_plan_decisions_total", tier="host", action="load"),
+             sample("kvtier_load_plan_recomputed_tokens_total", tier="ssd"))
+    assert [a - b for a, b in zip(after, before)] == [1, 1, 2, 14_336 - 4096]
+
+
 def test_gpu_weight_committed_reads_and_the_switch():
     ctx = PlanContext(gpu_wait_s=0.5)  # the read is exposed by ~0.39 s; recomputing costs ~0.35 GPU-s more
-    assert LoadPlanner().plan(**SSD_CASE, context=ctx).ssd is LoadAction.RECOMPUTE
+    own = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0))
+    assert own.plan(**SSD_CASE, context=ctx).ssd is LoadAction.RECOMPUTE
     heavy = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=3.0)).plan(**SSD_CASE, context=ctx)
     assert heavy.ssd is LoadAction.PREFETCH  # GPU seconds also delay the requests queued behind it
-    assert LoadPlanner().plan(**SSD_CASE, ssd_committed=True).ssd is LoadAction.PREFETCH  # its read is issued
+    assert LoadPlanner().plan(**SSD_CASE).ssd is LoadAction.PREFETCH  # the default: only an idle GPU recomputes
+    assert own.plan(**SSD_CASE, ssd_committed=True).ssd is LoadAction.PREFETCH  # its read is issued
     off = LoadPlanner(LoadPlanConfig(load_or_recompute=False)).plan(**SSD_CASE)
     assert off.ssd is LoadAction.PREFETCH and off.use_tokens == 14_336
     # a per-candidate wait (HRRN: a short job goes sooner) is asked with each candidate's GPU seconds
     asked: list[float] = []
-    LoadPlanner().plan(**SSD_CASE, context=PlanContext(gpu_wait_fn=lambda s: asked.append(s) or 0.0))
+    own.plan(**SSD_CASE, context=PlanContext(gpu_wait_fn=lambda s: asked.append(s) or 0.0))
     assert len(asked) == 3 and asked == sorted(asked, reverse=True)
 
 
 def test_host_part_is_recomputed_only_when_loading_it_is_slower():
     case = dict(prompt_tokens=8192, gpu_tokens=0, host_end=6144, hit_end=6144, ssd_tokens=0, ssd_bytes=0)
     assert LoadPlanner().plan(**case).host is LoadAction.LOAD
-    slow = LoadPlanner(LoadPlanConfig(cost=dataclasses.replace(COST, host_load_bytes_per_s=1e8)))
+    slow = LoadPlanner(LoadPlanConfig(cost=dataclasses.replace(COST, host_load_bytes_per_s=1e8),
+                                      recompute_gpu_weight=0.0))
     plan = slow.plan(**case)  # 0.8 GB over 0.1 GB/s = 8 s
     assert (plan.host, plan.ssd, plan.use_tokens) == (LoadAction.RECOMPUTE, LoadAction.NONE, 0)
     nothing = LoadPlanner().plan(prompt_tokens=100, gpu_tokens=0, host_end=0, hit_end=0, ssd_tokens=0, ssd_bytes=0)
@@ -93,8 +116,9 @@ def test_calibration_moves_the_estimates():
     assert fixed.cost.ssd_read_bytes_per_s == 1.5e9
     # a slower SSD changes the decision: the same wait no longer hides the read
     ctx = PlanContext(gpu_wait_s=1.2)
-    assert LoadPlanner().plan(**SSD_CASE, context=ctx).ssd is LoadAction.PREFETCH
-    slow = LoadPlanner(LoadPlanConfig(calibration_weight=1.0))
+    assert LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0)).plan(**SSD_CASE, context=ctx).ssd is \
+        LoadAction.PREFETCH
+    slow = LoadPlanner(LoadPlanConfig(calibration_weight=1.0, recompute_gpu_weight=0.0))
     slow.observe_ssd_read(int(0.5e9), 1.0)
     assert slow.plan(**SSD_CASE, context=ctx).ssd is LoadAction.RECOMPUTE
 
@@ -143,7 +167,7 @@ def test_derive_tier_hint_without_and_with_a_plan():
     miss = derive_tier_hint("r", 5.0, gpu_tokens=0, residency=Residency(), inflight_tokens=512)
     assert miss.state is TierState.MISS and miss.inflight_tokens == 512
     # with the planner: an idle GPU recomputes the SSD part, so the request is READY with the plan attached
-    planner = LoadPlanner()
+    planner = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0))
     idle = derive_tier_hint("r", 5.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=planner,
                             context=PlanContext(gpu_wait_s=0.0))
     assert idle.state is TierState.READY and idle.plan.ssd is LoadAction.RECOMPUTE and idle.use_tokens == 4096

@@ -191,18 +191,21 @@ def test_a_prefix_is_read_from_the_ssd_once_for_two_requests():
 
 
 def test_load_plan_recomputes_an_unhidden_ssd_read_and_prefetches_a_hidden_one():
-    # GPU idle: reading 20 blocks (0.89 s) is slower than recomputing them (~0.4 s): recompute, at once
+    # GPU idle: reading 20 blocks (0.89 s) is slower than recomputing them (~0.4 s): recompute, at once - by the
+    # idle-GPU re-plan (default weight) or already at arrival (weight 0: the request's own first token only)
     reqs = [req("A", 0.0, range(1, 22))]
     seed = {"ssd": list(range(1, 21))}
-    plan = make(reqs, "dual-queue", seed)
-    pres = plan.run()
     load = make(reqs, "dual-queue+always-load", seed)
     lres = load.run()
-    assert plan.queue["A"] == 0.0 and pres.tokens["ssd_prefetch"] == 0 and pres.ssd_read_gb == 0
-    assert pres.recomputed == {"inflight": 0, "plan": 20 * 512, "evicted": 0}
-    assert pres.policy_stats["plan_recompute_ssd"] == 1
     assert lres.tokens["ssd_prefetch"] == 20 * 512 and load.queue["A"] == pytest.approx(20 * BLOCK_READ_S)
-    assert plan.ttft["A"] < load.ttft["A"]  # never slower than no cache
+    own = replace(NO_STARVE, load_plan=replace(NO_STARVE.load_plan, recompute_gpu_weight=0.0))
+    for policy, stat in ((NO_STARVE, "replan_recompute_ssd"), (own, "plan_recompute_ssd")):
+        plan = make(reqs, "dual-queue", seed, policy=policy)
+        pres = plan.run()
+        assert plan.queue["A"] == 0.0 and pres.tokens["ssd_prefetch"] == 0 and pres.ssd_read_gb == 0
+        assert pres.recomputed == {"inflight": 0, "plan": 20 * 512, "evicted": 0}
+        assert pres.policy_stats[stat] == 1 and plan.read_order == []
+        assert plan.ttft["A"] < load.ttft["A"]  # never slower than no cache
     # behind a long job (L: 80 blocks, ~3.3 s of prefill) the read is hidden: prefetch
     reqs = [req("L", 0.0, range(100, 180)), req("A", 0.01, range(1, 22))]
     sim = make(reqs, "dual-queue", seed)

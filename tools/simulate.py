@@ -39,9 +39,10 @@ The modelled system (one GPU; all choices below are the simulator's, documented 
 - Load: arrival times are multiplied by `time_scale`. By default it is chosen so that FCFS's GPU work (including
   its stalls on synchronous SSD reads) equals `load` (0.85) of the scaled trace span; the load factor printed is
   FCFS's GPU work / scaled span.
-- Recomputed tokens: computed prompt tokens of blocks that existed before (computed by an earlier request), split
-  by why (`recomputed`): `inflight` (another request was computing them), `plan` (cached, the load plan chose to
-  recompute), `evicted` (resident nowhere any more).
+- Recomputed tokens: computed prompt tokens of blocks that existed before (computed, or being computed, by an
+  earlier request), by why the prefix was cut where it was (`recomputed`): `inflight` (another request was still
+  computing or reading that block), `plan` (cached, the load plan chose to recompute), `evicted` (resident nowhere
+  any more).
 """
 
 from __future__ import annotations
@@ -370,8 +371,10 @@ class Simulator:
                            ssd_wait_s=ssd_ahead / (self.cost.ssd_read_bytes_per_s * share), ssd_read_share=share)
 
     def _read_s(self, hint: TierHint) -> float:
-        """Seconds until a read of `hint`'s SSD part would land if it were issued next."""
+        """Seconds until `hint`'s SSD part lands: its read's remainder if issued, else if it were issued next."""
         rate = self.cost.ssd_read_bytes_per_s * self.dev.current_read_share()
+        if hint.state is TierState.LOADING:
+            return self.dev.read_backlog / rate
         return (self.dev.read_backlog + hint.ssd_bytes) / rate
 
     def _hint(self, r: SimRequest) -> TierHint:
@@ -656,16 +659,12 @@ class Simulator:
                 cut_by_plan = b in self.ssd
                 break
             cached += t
-        for k, b in enumerate(r.blocks[stop:]):
-            t = self._block_tokens(r, stop + k)
-            if b in self.computing or b in self.loading:
-                self.recomputed["inflight"] += t
-            elif b not in self.seen:
-                continue
-            elif b in self.gpu or b in self.host or b in self.ssd or b in staged:
-                self.recomputed["plan" if cut_by_plan else "evicted"] += t
-            else:
-                self.recomputed["evicted"] += t
+        if stop < len(r.blocks):  # blocks past the cut that existed are recomputed, for the cut's reason
+            b0 = r.blocks[stop]
+            why = "plan" if cut_by_plan else ("inflight" if b0 in self.computing or b0 in self.loading else "evicted")
+            for k, b in enumerate(r.blocks[stop:]):
+                if b in self.seen or b in self.computing or b in self.loading or b in staged:
+                    self.recomputed[why] += self._block_tokens(r, stop + k)
         new = max(r.input_tokens - cached, 1 if r.input_tokens else 0)
         self.tokens["computed"] += new
         affected: set[str] = set()
@@ -799,10 +798,13 @@ class Simulator:
         return self._result(first_arrival)
 
     def _kick(self) -> None:
-        if self.prefetching and self.reading is None:
-            self._issue_prefetch()
+        # admissions first: an idle GPU may take a request whose read is not issued yet (the idle re-plan)
         while self.waiting and self._admit_open() and self._try_dispatch():
             pass
+        if self.prefetching and self.reading is None:
+            self._issue_prefetch()
+            while self.waiting and self._admit_open() and self._try_dispatch():
+                pass
 
     def _result(self, first_arrival: float) -> SimResult:
         q = list(self.queue.values())
