@@ -600,6 +600,8 @@ class FCFSPolicy:
         if w is None:
             self.add(hint, gpu_need or 0)
             return
+        if (hint is w.hint or hint == w.hint) and (gpu_need is None or gpu_need == w.gpu_need):
+            return
         was_preparing = w.hint.state is TierState.PREPARING
         w.hint = replace(hint, arrival=w.hint.arrival)
         if gpu_need is not None:

@@ -399,3 +399,23 @@ def test_demo_slice_dual_queue_beats_fcfs():
     assert fcfs.tokens["ssd_sync"] > 0 and dual.tokens["ssd_prefetch"] > 0  # the slice exercises the SSD tier
     assert dual.mean_queue_s < fcfs.mean_queue_s
     assert dual.p99_ttft_s <= fcfs.p99_ttft_s
+
+
+def test_shared_prefix_workload_has_the_documented_property(tmp_path, capsys):
+    from kvtier.tools.workloads import SharedPrefixSpec, generate_shared_prefix, shared_prefix_stats
+
+    spec = SharedPrefixSpec(requests=1500, seed=3)
+    lines = generate_shared_prefix(spec)
+    assert lines == generate_shared_prefix(spec) and lines != generate_shared_prefix(replace(spec, seed=4))
+    st = shared_prefix_stats(lines)
+    assert st["requests"] == 1500 and abs(st["share_fraction"] - 0.38) < 0.04
+    assert shared_prefix_stats(generate_shared_prefix(replace(spec, shared_fraction=0.0)))["share_fraction"] < 0.02
+    assert all(o["hash_ids"][0] == 0 and len(o["hash_ids"]) == -(-o["input_length"] // 512) for o in lines)
+    assert [o["timestamp"] for o in lines] == sorted(o["timestamp"] for o in lines)
+    out = tmp_path / "shared.jsonl"
+    assert cli_main(["workload", "shared-prefix", str(out), "--requests", "300", "--seed", "3"]) == 0
+    assert "share >= 6K prefix tokens" in capsys.readouterr().out
+    reqs = load_trace(out)
+    assert len(reqs) == 300 and reqs[0].blocks[0] == 0
+    with pytest.raises(ValueError):
+        SharedPrefixSpec(prefix_min=9000, prefix_max=100)

@@ -16,7 +16,8 @@ The modelled system (one GPU; all choices below are the simulator's, documented 
   `ssd_read_share` of it while writes are queued; a full write buffer drops the write and counts it). A block is
   on the SSD tier once its write completes.
 - GPU: one job at a time. A job is [a synchronous SSD read of prefix blocks found only on SSD, GPU stalled (`fcfs`
-  and `+always-load` only)] + host->GPU load of its cached prefix + prefill of the rest + its share of decode time
+  always; `fcfs+prefetch` and `+always-load` for blocks no prefetch brought)] + host->GPU load of its cached prefix
+  + prefill of the rest + its share of decode time
   (continuous batching, `CostProfile.decode_gpu_time`). The first token comes at the end of the prefill; the
   request holds input+output tokens of GPU KV from admission until `output * tpot` after its first token.
 - Computing window (chunked prefill): the engine admits the next request when the running prefill reaches its last
@@ -171,7 +172,7 @@ class SimResult:
     ssd_write_gb: float  #: written to the SSD tier (completed writes)
     ssd_dropped_write_gb: float  #: write-back dropped for a full write buffer
     policy_stats: dict[str, int]
-    decision_us_mean: float  #: mean wall time of one policy call (pick / next_prefetch) in this run
+    decision_us_mean: float  #: mean wall time of one decision (pick, next_prefetch, a hint with its plan) in this run
     queue_s: list[float] = field(default_factory=list, repr=False)
     ttft_s: list[float] = field(default_factory=list, repr=False)
     arrival_s: list[float] = field(default_factory=list, repr=False)
@@ -389,6 +390,7 @@ class Simulator:
                                 prefetch=phase, inflight_tokens=inflight, prompt_tokens=r.input_tokens,
                                 planner=planner, context=self._plan_context(r.rid) if planner else None)
         self._decision_s += time.perf_counter() - t0
+        self._decisions += 1
         return hint
 
     def _publish(self, rid: str, new: bool = False) -> TierHint:
