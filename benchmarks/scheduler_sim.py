@@ -29,6 +29,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -108,7 +109,7 @@ def tune(reqs, base: SimConfig, loads: list[float]) -> dict:
     print(f"\n== tuning on the first 15 minutes: {len(reqs)} requests (timestamp < {SPLIT_S * 1000:.0f} ms)")
     per_load = []
     for load in loads:
-        scale, work = calibrate_time_scale(reqs, base, load=load)
+        scale, _ = calibrate_time_scale(reqs, base, load=load)
         fair = {b: simulate(reqs, replace(base, scheduler=b, time_scale=scale)) for b in BASELINES}
         per_load.append((load, scale, fair))
     results = []
@@ -321,11 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  wrote {args.plot}")
 
     if not args.skip_shared_prefix:
-        tmp = Path(f"/tmp/kvtier-sim-shared-prefix-{time.time_ns()}.jsonl")
-        try:
-            sp = shared_prefix(base, 0.85, args.shared_prefix_requests, tmp)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as d:
+            sp = shared_prefix(base, 0.85, args.shared_prefix_requests, Path(d) / "shared-prefix.jsonl")
         for name, v in sp["checks"].items():
             print(f"  [{'PASS' if v else 'FAIL'}] {name}")
             ok &= v

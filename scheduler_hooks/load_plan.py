@@ -286,7 +286,6 @@ class LoadPlanner:
         host_end = min(max(int(host_end), gpu), n)
         hit_end = min(max(int(hit_end), host_end), n)
         ssd_tokens = max(int(ssd_tokens), 0) if hit_end > host_end else 0
-        kv = c.kv_bytes_per_token
         wait = max(context.gpu_wait_s, 0.0)
         weight = self.config.recompute_gpu_weight
 
