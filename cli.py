@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo-model": ("kvtier.tools.demo_model", "write the tiny demo model (weights + tokenizer) for `vllm serve`"),
     "replay": ("kvtier.tools.replay", "replay a request trace against eviction policies"),
     "simulate": ("kvtier.tools.simulate", "discrete-event replay of scheduling policies"),
+    "workload": ("kvtier.tools.workloads", "generate a synthetic request trace (shared-prefix agent workload)"),
 }
 
 

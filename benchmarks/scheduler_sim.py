@@ -1,17 +1,25 @@
-"""Benchmark of the scheduling policies (issue 6): simulated queueing/TTFT vs FCFS, and per-step decision overhead.
+"""Benchmark of kvtier's scheduling (issue 14): simulated queueing and TTFT against fair baselines, delay-hit on a
+shared-prefix workload, and the per-step decision cost.
 
-    .venv/bin/python benchmarks/scheduler_sim.py ../shared/traces/mooncake_conversation_first30min.jsonl \
-        [--loads 0.85,0.9] [--json OUT] [--plot OUT.png]
+    .venv/bin/python benchmarks/scheduler_sim.py /work/shared/traces/mooncake_conversation_first30min.jsonl \\
+        [--loads 0.85,0.95] [--json OUT] [--plot OUT.png] [--tune]
 
-1. Replays the trace with `kvtier.tools.simulate` at loads where FCFS queues build up (arrival times
-   scaled so FCFS keeps the GPU `load` busy) under fcfs, fcfs+prefetch, dual-queue and dual-queue+delay-hit, and
-   prints each scheduler's ratios against the FCFS run of the same invocation. Targets: dual-queue mean queueing
-   time <= 0.45x FCFS, P99 TTFT <= FCFS, every request completes and none waits far beyond the others
-   (max queueing time <= FCFS's, which serves strictly in arrival order).
-2. Times one scheduling step of `DualQueuePolicy` with 1,000 waiting requests (a mix of host-ready, SSD-preparing,
-   loading, delay-hit-deferred and oversized requests): the vLLM hook's `order()` of the whole waiting queue, and the
-   simulator's `pick()` + `dispatched()` + `add()` + `next_prefetch()` + `prefetch_done()`. Median over batches.
-   Target: <= 0.62 ms per step (Bidaw's reported overhead).
+1. Held out: the knobs below (`TUNED`: kvtier's scheduler, its starvation multiple, the load plan's GPU-time
+   weight) were chosen with `--tune` on the first 15 minutes of the trace (timestamp < 900,000 ms); the report
+   replays the second 15 minutes only (cold tiers), at each load (arrival times scaled so that `fcfs` keeps the GPU
+   that busy), under the baselines `fcfs`, `fcfs+prefetch`, `recompute` (no host or SSD tier) and kvtier's
+   schedulers, SSD write-back charged. Targets, against the best of `fcfs+prefetch` and `recompute` in the same
+   run: kvtier's best scheduler's mean queueing <= 0.6x, P99 TTFT <= 1.0x, nothing starves (its longest queueing
+   time is no longer than the longest under the fair baselines, which serve strictly by arrival), completed
+   counts equal.
+2. Shared-prefix workload (`kvtier.tools.workloads`, seeded; task rate chosen so that `fcfs` keeps the GPU 85%
+   busy, the 1 s fan-out window unscaled): delay-hit avoidance must cut recomputed tokens by >= 30% against the
+   same dual-queue scheduler without it.
+3. Decision cost: one scheduling step of `DualQueuePolicy` with 1,000 waiting requests (host-ready, SSD-preparing,
+   loading, delay-hit-deferred and oversized ones), both ready orders: `order()` of the whole queue, the vLLM
+   hook's step (every waiting request's hint refreshed with `update`, then `order()`), and the simulator's path (`pick` + `dispatched` + a new arrival's hint derivation with its load plan +
+   `add` + `next_prefetch` + `prefetch_done`). Median over batches, in the thread's CPU time (wall time printed
+   beside it: on a shared machine it also counts other processes). Target: <= 0.62 ms (Bidaw's figure).
 """
 
 from __future__ import annotations
@@ -21,147 +29,324 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
-from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig, DualQueuePolicy, FCFSPolicy
-from kvtier.tools.simulate import SimConfig, calibrate_time_scale, load_trace, plot, simulate
+from kvtier.scheduler_hooks.dual_queue_policy import (
+    KVTIER_SCHEDULER_NAMES,
+    DualQueueConfig,
+    DualQueuePolicy,
+    FCFSPolicy,
+)
+from kvtier.scheduler_hooks.hint_derivation import Residency, derive_tier_hint
+from kvtier.scheduler_hooks.load_plan import PlanContext
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
+from kvtier.tools.simulate import (
+    FAIR_BASELINES,
+    SimConfig,
+    SimResult,
+    calibrate_time_scale,
+    load_trace,
+    plot,
+    print_table,
+    simulate,
+)
 
-SCHEDULERS = ("fcfs", "fcfs+prefetch", "dual-queue", "dual-queue+delay-hit")
-TARGET_QUEUE_RATIO = 0.45
+#: decision cost is timed in this thread's CPU time (the machine running the benchmark may be shared; wall time
+#: then measures other processes too); `time_steps` also reports wall time
+_clock = time.thread_time
+SPLIT_S = 900.0  # the first 15 minutes tune, the second 15 are held out
+BASELINES = ("fcfs", "fcfs+prefetch", "recompute")
+#: chosen by `--tune` on the first 15 minutes (see `tune`): the scheduler and knobs reported as kvtier's best
+TUNED = {"scheduler": "dual-queue+hrrn", "starvation_multiple": 6.0, "recompute_gpu_weight": 1000.0}
+TUNE_GRID = {"scheduler": ("dual-queue", "dual-queue+hrrn"), "starvation_multiple": (4.0, 6.0, 8.0),
+             "recompute_gpu_weight": (0.0, 3.0, 1000.0)}
+TARGET_QUEUE_RATIO = 0.6
+TARGET_TTFT_RATIO = 1.0
+TARGET_DELAY_HIT_CUT = 0.30
 TARGET_STEP_MS = 0.62
+
+
+def policy_config(multiple: float, weight: float) -> DualQueueConfig:
+    cfg = DualQueueConfig(starvation_multiple=multiple)
+    return replace(cfg, load_plan=replace(cfg.load_plan, recompute_gpu_weight=weight))
+
+
+def checks(runs: dict[str, SimResult], best: str) -> dict[str, bool]:
+    """The issue's targets for kvtier's scheduler `best` against the fair baselines of the same run."""
+    fair = [runs[b] for b in FAIR_BASELINES]
+    k = runs[best]
+    bq = min(r.mean_queue_s for r in fair)
+    bt = min(r.p99_ttft_s for r in fair)
+    return {
+        f"{best} mean queue <= {TARGET_QUEUE_RATIO}x best fair baseline": k.mean_queue_s <= TARGET_QUEUE_RATIO * bq,
+        f"{best} P99 TTFT <= {TARGET_TTFT_RATIO}x best fair baseline": k.p99_ttft_s <= TARGET_TTFT_RATIO * bt,
+        f"nothing starves: {best} max queue <= the fair baselines' (strict arrival order)":
+            k.max_queue_s <= max(r.max_queue_s for r in fair),
+        "completed counts equal (every scheduler)": len({(r.completed, r.rejected) for r in runs.values()}) == 1
+                                                     and k.completed + k.rejected == k.requests,
+    }
+
+
+def run_load(reqs, base: SimConfig, load: float, schedulers, tuned_policy: DualQueueConfig) -> tuple[dict, float]:
+    scale, work = calibrate_time_scale(reqs, base, load=load)
+    span = reqs[-1].arrival - reqs[0].arrival
+    runs: dict[str, SimResult] = {}
+    for s in schedulers:
+        cfg = replace(base, scheduler=s, time_scale=scale)
+        if s not in BASELINES:
+            cfg = replace(cfg, policy=tuned_policy)
+        runs[s] = simulate(reqs, cfg)
+        runs[s].load_factor = work / (span * scale)
+    return runs, scale
+
+
+def tune(reqs, base: SimConfig, loads: list[float]) -> dict:
+    """Grid over TUNE_GRID on the tuning half: the configuration with the lowest worst-load mean-queue ratio among
+    those meeting every other target at every load."""
+    print(f"\n== tuning on the first 15 minutes: {len(reqs)} requests (timestamp < {SPLIT_S * 1000:.0f} ms)")
+    per_load = []
+    for load in loads:
+        scale, _ = calibrate_time_scale(reqs, base, load=load)
+        fair = {b: simulate(reqs, replace(base, scheduler=b, time_scale=scale)) for b in BASELINES}
+        per_load.append((load, scale, fair))
+    results = []
+    for sched in TUNE_GRID["scheduler"]:
+        for mult in TUNE_GRID["starvation_multiple"]:
+            for w in TUNE_GRID["recompute_gpu_weight"]:
+                pol = policy_config(mult, w)
+                worst, ok = 0.0, True
+                row = []
+                for load, scale, fair in per_load:
+                    r = simulate(reqs, replace(base, scheduler=sched, time_scale=scale, policy=pol))
+                    c = checks({**fair, sched: r}, sched)
+                    q = r.mean_queue_s / min(fair[b].mean_queue_s for b in FAIR_BASELINES)
+                    t = r.p99_ttft_s / min(fair[b].p99_ttft_s for b in FAIR_BASELINES)
+                    worst = max(worst, q)
+                    ok &= all(v for k, v in c.items() if "mean queue" not in k)
+                    row.append(f"load {load}: queue {q:.3f}x P99 TTFT {t:.3f}x max queue {r.max_queue_s:.1f} s")
+                results.append((not ok, worst, sched, mult, w))
+                print(f"  {sched:<18} starvation_multiple {mult:<4} recompute_gpu_weight {w:<7} "
+                      f"{'ok ' if ok else 'bad'} | " + " | ".join(row), flush=True)
+    bad, worst, sched, mult, w = min(results)
+    best = {"scheduler": sched, "starvation_multiple": mult, "recompute_gpu_weight": w}
+    print(f"  tuned: {best} (worst-load mean queue {worst:.3f}x{'' if not bad else ', misses another target'})")
+    return best
+
+
+# --- shared-prefix workload ----------------------------------------------------------------------------------------
+
+
+def shared_prefix(base: SimConfig, load: float, requests: int, tmp: Path) -> dict:
+    from kvtier.tools.workloads import SharedPrefixSpec, generate_shared_prefix, shared_prefix_stats
+
+    def write(spec: SharedPrefixSpec):
+        lines = generate_shared_prefix(spec)
+        tmp.write_text("".join(json.dumps(o) + "\n" for o in lines))
+        return load_trace(tmp), lines
+
+    spec = SharedPrefixSpec(requests=requests)
+    reqs, _ = write(spec)
+    scale, _ = calibrate_time_scale(reqs, base, load=load)
+    spec = replace(spec, task_rate=spec.task_rate / scale)  # the same load by arrival rate: windows stay 1 s
+    reqs, lines = write(spec)
+    _, work = calibrate_time_scale(reqs, base, load=load, iterations=1)
+    stats = shared_prefix_stats(lines)
+    span = reqs[-1].arrival - reqs[0].arrival
+    print(f"\n== shared-prefix workload: {len(reqs)} requests, task rate {spec.task_rate:.2f}/s, "
+          f"{stats['share_fraction']:.1%} share >= 6K prefix tokens with another request within 1 s; "
+          f"FCFS load {work / span:.2f}")
+    runs = {s: simulate(reqs, replace(base, scheduler=s, time_scale=1.0)) for s in
+            ("fcfs+prefetch", "recompute") + KVTIER_SCHEDULER_NAMES}
+    print_table(list(runs.values()))
+    out = {"spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__}, "stats": stats,
+           "runs": {k: v.to_json() for k, v in runs.items()}, "checks": {}}
+    for plain in ("dual-queue", "dual-queue+hrrn"):
+        dh = plain + "+delay-hit"
+        a, b = runs[plain].recomputed_tokens, runs[dh].recomputed_tokens
+        cut = 1 - b / a if a else 0.0
+        ia, ib = runs[plain].recomputed["inflight"], runs[dh].recomputed["inflight"]
+        print(f"  {dh}: recomputed tokens {b / 1e6:.3f}M vs {a / 1e6:.3f}M without ({cut:.0%} fewer; in flight "
+              f"{ib / 1e6:.3f}M vs {ia / 1e6:.3f}M), mean queue {runs[dh].mean_queue_s:.2f} vs "
+              f"{runs[plain].mean_queue_s:.2f} s, {runs[dh].policy_stats.get('deferred_delay_hit', 0)} deferrals")
+        out["checks"][f"{dh} cuts recomputed tokens by >= {TARGET_DELAY_HIT_CUT:.0%} vs {plain}"] = \
+            cut >= TARGET_DELAY_HIT_CUT
+    return out
+
+
+# --- decision cost -------------------------------------------------------------------------------------------------
 
 
 def _hint(rng: random.Random, i: int, now: float) -> tuple[TierHint, int]:
     arrival = now - rng.uniform(0, 30)
     u = rng.random()
     tokens = rng.randint(500, 40_000)
+    prompt = tokens + rng.randint(10, 4000)
     if u < 0.55:
-        h = TierHint(str(i), gpu_tokens=512, host_tokens=tokens, state=TierState.READY, arrival=arrival)
+        h = TierHint(str(i), gpu_tokens=512, host_tokens=tokens, state=TierState.READY, arrival=arrival,
+                     prompt_tokens=prompt)
     elif u < 0.65:
-        h = TierHint(str(i), state=TierState.MISS, arrival=arrival)
+        h = TierHint(str(i), state=TierState.MISS, arrival=arrival, prompt_tokens=prompt)
     elif u < 0.70:
-        h = TierHint(str(i), host_tokens=tokens, state=TierState.READY, arrival=arrival, inflight_tokens=1024)
+        h = TierHint(str(i), host_tokens=tokens, state=TierState.READY, arrival=arrival, inflight_tokens=1024,
+                     prompt_tokens=prompt)
     else:
         h = TierHint(str(i), host_tokens=512, ssd_tokens=tokens, ssd_bytes=tokens * 131072,
-                     state=TierState.PREPARING, arrival=arrival)
-    need = tokens + rng.randint(10, 800)
+                     state=TierState.PREPARING, arrival=arrival, prompt_tokens=prompt)
+    need = prompt + rng.randint(10, 800)
     if rng.random() < 0.05:
         need = 300_000  # oversized: does not fit this step's free memory (200k), fits the GPU (400k)
     return h, need
 
 
 def time_steps(policy_factory, waiting: int = 1000, steps: int = 400, batches: int = 7, seed: int = 0) -> dict:
-    """Median per-step wall time (ms) of the hook path (`order`) and the simulator path (pick/dispatch/prefetch)."""
+    """Median per-step wall time (ms) of the hook path (`order`) and the simulator path (pick/dispatch/derive+plan/
+    add/prefetch)."""
     rng = random.Random(seed)
     now = 1000.0
     p = policy_factory()
+    planner = getattr(p, "planner", None)
     nid = 0
     for _ in range(waiting):
         h, need = _hint(rng, nid, now)
         p.add(h, need)
         nid += 1
     free = 200_000
-    order_ms, step_ms = [], []
+    order_ms, step_ms, order_wall, step_wall, hook_ms = [], [], [], [], []
     for _ in range(batches):
-        t0 = time.perf_counter()
+        t0, w0 = _clock(), time.perf_counter()
         for _ in range(steps):
             p.order(now, free)
             now += 0.001
-        order_ms.append((time.perf_counter() - t0) * 1e3 / steps)
-        t0 = time.perf_counter()
+        order_ms.append((_clock() - t0) * 1e3 / steps)
+        order_wall.append((time.perf_counter() - w0) * 1e3 / steps)
+        # the vLLM hook's step: refresh every waiting request's hint (unchanged ones: the common case), then order
+        hints = [(p.hint(r), None) for r in p.ids()]
+        t0 = _clock()
+        for _ in range(steps // 4):
+            for h, _n in hints:
+                p.update(h)
+            p.order(now, free)
+        hook_ms.append((_clock() - t0) * 1e3 / (steps // 4))
+        t0, w0 = _clock(), time.perf_counter()
         for k in range(steps):
             rid = p.pick(now, free if k % 8 else 2 * free)  # memory frees up now and then (decodes finishing)
             if rid is not None:
                 p.dispatched(rid, now)
             # keep the mix stationary: one ready request leaves, one promotion refills the ready queue, and a new
-            # SSD-resident arrival refills the preparing queue
+            # SSD-resident arrival (its hint derived and planned as the connector would) refills the preparing one
             tokens = rng.randint(500, 40_000)
-            p.add(TierHint(str(nid), host_tokens=512, ssd_tokens=tokens, ssd_bytes=tokens * 131072,
-                           state=TierState.PREPARING, arrival=now), tokens + 100)
+            res = Residency(host_end=512, hit_end=512 + tokens, ssd_tokens=tokens, ssd_bytes=tokens * 131072)
+            ctx = None
+            if planner is not None:
+                ctx = PlanContext(gpu_wait_s=p.gpu_backlog_s(), gpu_wait_fn=lambda s: p.gpu_wait_estimate(s),
+                                  ssd_wait_s=p.ssd_backlog_bytes() / 1.5e9, ssd_read_share=0.5)
+            h = derive_tier_hint(str(nid), now, gpu_tokens=0, residency=res, prefetch="queued",
+                                 prompt_tokens=512 + tokens + 100, planner=planner, context=ctx)
+            if h.state is not TierState.PREPARING:  # planned to recompute: still an SSD-resident arrival
+                h = replace(h, state=TierState.PREPARING, plan=None)
+            p.add(h, tokens + 200)
             nid += 1
             r = p.next_prefetch(now)
             if r is not None:
                 p.prefetch_done(r, now)
             now += 0.001
-        step_ms.append((time.perf_counter() - t0) * 1e3 / steps)
+        step_ms.append((_clock() - t0) * 1e3 / steps)
+        step_wall.append((time.perf_counter() - w0) * 1e3 / steps)
     return {"waiting": len(p), "order_ms_median": statistics.median(order_ms),
-            "step_ms_median": statistics.median(step_ms)}
+            "step_ms_median": statistics.median(step_ms), "order_wall_ms_median": statistics.median(order_wall),
+            "step_wall_ms_median": statistics.median(step_wall), "hook_step_ms_median": statistics.median(hook_ms)}
+
+
+# --- main ----------------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace", help="Mooncake conversation trace (JSONL)")
-    ap.add_argument("--loads", default="0.85", help="comma-separated FCFS GPU-busy targets (default 0.85)")
+    ap.add_argument("trace", help="Mooncake conversation trace (JSONL), at least 30 minutes")
+    ap.add_argument("--loads", default="0.85,0.95", help="comma-separated FCFS GPU-busy targets")
     ap.add_argument("--eviction", default="lru")
     ap.add_argument("--profile", default="llama3-8b-h100")
-    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--tune", action="store_true", help="tune TUNED's knobs on the first 15 minutes first")
+    ap.add_argument("--skip-shared-prefix", action="store_true")
+    ap.add_argument("--shared-prefix-requests", type=int, default=2000)
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--plot", help="PNG of the first load's runs")
-    ap.add_argument("--waiting", type=int, default=1000, help="queue size for the overhead measurement")
+    ap.add_argument("--waiting", type=int, default=1000, help="queue size for the decision-cost measurement")
     ap.add_argument("--progress", action="store_true")
     args = ap.parse_args(argv)
-
-    reqs = load_trace(args.trace, args.limit)
-    span = reqs[-1].arrival - reqs[0].arrival
-    base = SimConfig(profile=args.profile, eviction=args.eviction, policy=DualQueueConfig(), progress=args.progress)
-    report: dict = {"trace": args.trace, "requests": len(reqs), "profile": args.profile, "eviction": args.eviction,
-                    "loads": []}
+    loads = [float(x) for x in args.loads.split(",")]
+    base = SimConfig(profile=args.profile, eviction=args.eviction, progress=args.progress)
+    report: dict = {"trace": args.trace, "profile": args.profile, "eviction": args.eviction, "loads": []}
     ok = True
-    for li, load in enumerate(float(x) for x in args.loads.split(",")):
+
+    tuned = dict(TUNED)
+    if args.tune:
+        tuned = tune(load_trace(args.trace, end_s=SPLIT_S), base, loads)
+    report["tuned"] = tuned
+    held = load_trace(args.trace, start_s=SPLIT_S)
+    if not held:
+        raise SystemExit(f"{args.trace}: no requests at or after {SPLIT_S:.0f} s (need the 30-minute trace)")
+    best = tuned["scheduler"]
+    pol = policy_config(tuned["starvation_multiple"], tuned["recompute_gpu_weight"])
+    print(f"\n== held out: the second 15 minutes of {args.trace} ({len(held)} requests, timestamp >= "
+          f"{SPLIT_S * 1000:.0f} ms; cold tiers). Knobs tuned on the first 15 minutes{' (this run)' if args.tune else ''}"
+          f": {tuned}")
+    schedulers = list(BASELINES) + list(KVTIER_SCHEDULER_NAMES) + [f"{best}+always-load"]
+    for li, load in enumerate(loads):
         t0 = time.perf_counter()
-        scale, work = calibrate_time_scale(reqs, base, load=load)
-        runs = {s: simulate(reqs, replace(base, scheduler=s, time_scale=scale)) for s in SCHEDULERS}
-        for r in runs.values():
-            r.load_factor = work / (span * scale)
+        runs, scale = run_load(held, base, load, schedulers, pol)
         f = runs["fcfs"]
-        print(f"\n== load {load:.2f}: time scale {scale:.3f}, load factor {work / (span * scale):.3f}, "
-              f"{len(reqs)} requests, {time.perf_counter() - t0:.0f} s")
-        print(f"{'scheduler':<22}{'done':>6}{'queue mean':>11}{'p50':>7}{'p99':>7}{'max':>7}{'TTFT mean':>10}"
-              f"{'p50':>7}{'p99':>7}{'GPU':>6}{'SSD':>6}{'queue/FCFS':>11}{'P99TTFT/FCFS':>13}")
-        entry = {"load": load, "time_scale": scale, "runs": {}}
-        for s, r in runs.items():
-            qr = r.mean_queue_s / f.mean_queue_s if f.mean_queue_s else float("nan")
-            tr = r.p99_ttft_s / f.p99_ttft_s if f.p99_ttft_s else float("nan")
-            print(f"{s:<22}{r.completed:>6}{r.mean_queue_s:>11.2f}{r.p50_queue_s:>7.2f}{r.p99_queue_s:>7.2f}"
-                  f"{r.max_queue_s:>7.1f}{r.mean_ttft_s:>10.2f}{r.p50_ttft_s:>7.2f}{r.p99_ttft_s:>7.2f}"
-                  f"{r.gpu_util:>6.0%}{r.ssd_util:>6.0%}{qr:>11.2f}{tr:>13.2f}")
-            entry["runs"][s] = {**r.to_json(), "queue_ratio_vs_fcfs": qr, "p99_ttft_ratio_vs_fcfs": tr}
-        d = runs["dual-queue"]
-        checks = {
-            "dual-queue mean queue <= 0.45x FCFS": d.mean_queue_s <= TARGET_QUEUE_RATIO * f.mean_queue_s,
-            "dual-queue P99 TTFT <= FCFS": d.p99_ttft_s <= f.p99_ttft_s,
-            "all requests complete (every scheduler)": all(r.completed + r.rejected == r.requests
-                                                             for r in runs.values()),
-            "nothing starves: dual-queue max queue <= FCFS max queue": d.max_queue_s <= f.max_queue_s,
-        }
-        for k, v in checks.items():
-            print(f"  [{'PASS' if v else 'FAIL'}] {k}")
+        print(f"\n== load {load:.2f} (held out): time scale {scale:.3f}, load factor {f.load_factor:.3f}, "
+              f"{time.perf_counter() - t0:.0f} s")
+        print_table(list(runs.values()))
+        k = runs[best]
+        print(f"  SSD: {k.ssd_read_gb:.0f} GB read, {k.ssd_write_gb:.0f} GB written, "
+              f"{k.ssd_dropped_write_gb:.0f} GB of write-back dropped (full write buffer), busy {k.ssd_util:.0%} "
+              f"(reads {k.ssd_read_util:.0%}, writes {k.ssd_write_util:.0%}) under {best}")
+        print(f"  load plan: {k.policy_stats.get('plan_recompute_ssd', 0)} SSD parts recomputed at arrival, "
+              f"{k.policy_stats.get('replan_recompute_ssd', 0)} at an idle GPU, "
+              f"{k.policy_stats.get('plan_prefetch', 0)} prefetched; vs {best}+always-load: mean queue "
+              f"{k.mean_queue_s:.2f} vs {runs[best + '+always-load'].mean_queue_s:.2f} s, P99 TTFT "
+              f"{k.p99_ttft_s:.2f} vs {runs[best + '+always-load'].p99_ttft_s:.2f} s")
+        c = checks(runs, best)
+        for name, v in c.items():
+            print(f"  [{'PASS' if v else 'FAIL'}] {name}")
             ok &= v
-        dh = runs["dual-queue+delay-hit"]
-        print(f"  delay-hit: {dh.policy_stats.get('deferred_delay_hit', 0)} deferrals, computed tokens "
-              f"{dh.tokens['computed']} vs {d.tokens['computed']} without")
-        print(f"  SSD write-through volume {d.ssd_write_gb:.0f} GB = {d.ssd_write_gb / d.makespan_s:.2f} GB/s "
-              f"(not charged to the 1.5 GB/s SSD in the cost model)")
-        entry["checks"] = checks
-        report["loads"].append(entry)
+        report["loads"].append({"load": load, "time_scale": scale, "checks": c,
+                                "runs": [r.to_json() for r in runs.values()]})
         if li == 0 and args.plot:
             plot(list(runs.values()), args.plot)
             print(f"  wrote {args.plot}")
 
-    print(f"\n== decision overhead per scheduling step, {args.waiting} waiting requests (median of 7 batches)")
+    if not args.skip_shared_prefix:
+        with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as d:
+            sp = shared_prefix(base, 0.85, args.shared_prefix_requests, Path(d) / "shared-prefix.jsonl")
+        for name, v in sp["checks"].items():
+            print(f"  [{'PASS' if v else 'FAIL'}] {name}")
+            ok &= v
+        report["shared_prefix"] = sp
+
+    print(f"\n== decision cost per scheduling step, {args.waiting} waiting requests (median of 7 batches)")
     over = {
         "dual-queue": time_steps(lambda: DualQueuePolicy(DualQueueConfig(gpu_capacity=400_000)), args.waiting),
+        "dual-queue+hrrn": time_steps(lambda: DualQueuePolicy(DualQueueConfig(gpu_capacity=400_000,
+                                                                              ready_order="hrrn")), args.waiting),
         "fcfs": time_steps(lambda: FCFSPolicy(), args.waiting),
     }
     for name, o in over.items():
-        print(f"  {name:<12} order(): {o['order_ms_median']:.3f} ms   pick+dispatch+add+prefetch: "
-              f"{o['step_ms_median']:.3f} ms   (queue {o['waiting']})")
-    worst = max(over["dual-queue"]["order_ms_median"], over["dual-queue"]["step_ms_median"])
-    passed = worst <= TARGET_STEP_MS
-    print(f"  [{'PASS' if passed else 'FAIL'}] dual-queue step <= {TARGET_STEP_MS} ms (worst path {worst:.3f} ms)")
-    ok &= passed
+        print(f"  {name:<16} order(): {o['order_ms_median']:.3f} ms CPU ({o['order_wall_ms_median']:.3f} wall)   "
+              f"pick+dispatch+derive/plan+add+prefetch: {o['step_ms_median']:.3f} ms CPU "
+              f"({o['step_wall_ms_median']:.3f} wall)   hook step (update every hint + order): "
+              f"{o['hook_step_ms_median']:.3f} ms CPU   (queue {o['waiting']})")
+    for name in ("dual-queue", "dual-queue+hrrn"):
+        worst = max(over[name]["order_ms_median"], over[name]["step_ms_median"], over[name]["hook_step_ms_median"])
+        passed = worst <= TARGET_STEP_MS
+        print(f"  [{'PASS' if passed else 'FAIL'}] {name} step <= {TARGET_STEP_MS} ms of CPU (worst path "
+              f"{worst:.3f} ms)")
+        ok &= passed
     report["overhead"] = over
     if args.json_out:
         with open(args.json_out, "w") as fh:

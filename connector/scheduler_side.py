@@ -33,8 +33,9 @@ from kvtier.connector.messages import (
     SaveSpec,
 )
 from kvtier.connector.rpc import RPCClient, RPCError, endpoint
+from kvtier.scheduler_hooks.hint_derivation import count_inflight, derive_tier_hint
 from kvtier.scheduler_hooks.hrrn import DiskHRRNQueue
-from kvtier.scheduler_hooks.tier_hint import TierHint, classify
+from kvtier.scheduler_hooks.tier_hint import TierHint
 
 logger = logging.getLogger(__name__)
 
@@ -122,13 +123,8 @@ class SchedulerSide:
     def _inflight_tokens(self, st: _Req, resident: int) -> int:
         if not self.computing:
             return 0
-        keys, rid, n = self._keys(st), st.request.request_id, 0
-        for key in keys[-(-resident // self.chunk):]:
-            owner = self.computing.get(key)
-            if owner is None or owner == rid:
-                break
-            n += self.chunk
-        return n
+        keys = self._keys(st)[-(-resident // self.chunk):]
+        return count_inflight(((self.computing.get(k), self.chunk) for k in keys), st.request.request_id)
 
     def _computing_from(self, st: _Req, start: int) -> None:
         """`st` (admitted) computes its prompt chunks from token `start` on: other requests sharing them wait."""
@@ -145,14 +141,8 @@ class SchedulerSide:
                 del self.computing[key]
 
     def _publish(self, st: _Req) -> TierHint:
-        res = st.lookup
-        gpu = st.gpu_tokens
-        ssd = res.ssd_tokens if st.prefetch in ("none", "queued", "inflight") else 0
-        ssd_bytes = res.ssd_bytes if ssd else 0
-        host = max(0, res.hit_end - res.ssd_tokens - gpu) if ssd else max(0, res.host_end - gpu)
-        state = classify(gpu, host, ssd, loading=st.prefetch == "inflight")
-        hint = TierHint(st.request.request_id, gpu_tokens=gpu, host_tokens=host, ssd_tokens=ssd,
-                        ssd_bytes=ssd_bytes, state=state, arrival=st.arrival)
+        hint = derive_tier_hint(st.request.request_id, st.arrival, gpu_tokens=st.gpu_tokens, residency=st.lookup,
+                                prefetch=st.prefetch, prompt_tokens=int(st.request.num_prompt_tokens))
         self.hints[st.request.request_id] = hint
         return hint
 

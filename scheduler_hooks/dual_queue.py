@@ -12,8 +12,10 @@ Requests the policy does not track (preempted or resumed ones, which vLLM prepen
   default behaviour, exactly.
 - If the connector has `set_scheduling_policy(policy)`, the hook hands it the policy object, so the connector's
   SSD prefetcher issues reads in the same disk-HRRN order (`policy.next_prefetch(now)`, `policy.prefetch_done(id)`).
-- Policy knobs: `kv_connector_extra_config["kvtier.scheduler"]` = {"delay_hit": bool,
-  "delay_hit_threshold_tokens": int, "starvation_multiple": float, "starvation_floor_s": float}.
+- Policy knobs: `kv_connector_extra_config["kvtier.scheduler"]` (`SCHEDULER_KEYS`, parsed by
+  `DualQueueConfig.from_keys`: delay hit, starvation bound, `ready_order`, and the load plan's cost model and
+  weights). The load plan's KV bytes per token come from the KV cache spec. The policy's `planner` is the engine's
+  load-or-recompute decision object (`hint_derivation.derive_tier_hint(..., planner=policy.planner)`).
 - Async scheduling (vLLM's GPU default): `DualQueueScheduler` builds an `AsyncDualQueueScheduler` (AsyncScheduler
   base) when `scheduler_config.async_scheduling` is on; the plain `Scheduler` base otherwise (CPU).
 Times are `time.time()` seconds, the clock of vLLM's `Request.arrival_time`.
@@ -36,9 +38,6 @@ from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncDualQueueScheduler", "DualQueueScheduler"]
-
-_CONFIG_KEYS = ("delay_hit", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s", "mean_window")
-
 
 class DualQueueScheduler(Scheduler):
     """vLLM `Scheduler` whose waiting queue is ordered by kvtier's dual-queue policy."""
@@ -74,15 +73,21 @@ class DualQueueScheduler(Scheduler):
         ktc = getattr(self.vllm_config, "kv_transfer_config", None)
         if ktc is not None:
             extra = dict((getattr(ktc, "kv_connector_extra_config", None) or {}).get("kvtier.scheduler", {}) or {})
-        unknown = set(extra) - set(_CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"kvtier.scheduler: unknown keys {sorted(unknown)}; known: {list(_CONFIG_KEYS)}")
         total_blocks = None
         try:
             total_blocks = int(self.kv_cache_config.num_blocks)
         except (AttributeError, TypeError, ValueError):
             pass
-        return DualQueueConfig(gpu_capacity=total_blocks, **extra)
+        return DualQueueConfig.from_keys(extra, gpu_capacity=total_blocks, kv_bytes_per_token=self._kv_bytes_per_token())
+
+    def _kv_bytes_per_token(self) -> int | None:
+        """The model's KV bytes per token, from the KV cache spec (every layer of every group)."""
+        try:
+            total = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
+                        for g in self.kv_cache_config.kv_cache_groups)
+        except (AttributeError, TypeError, ZeroDivisionError):
+            return None
+        return int(total) if total > 0 else None
 
     # --- hints ---------------------------------------------------------------------------------------------------
     def _kvtier_hint(self, request: Any) -> TierHint:

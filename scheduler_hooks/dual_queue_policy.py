@@ -5,15 +5,22 @@ prefetcher and the simulator (`kvtier simulate`) drive the *same* objects.
 
 Queues of a `DualQueuePolicy`:
 - **ready**: requests whose cached prefix is on the GPU or in host memory, or that have nothing cached
-  (`TierState.READY` / `MISS`), FCFS by their *original arrival time*. A request promoted from the preparing
-  queue (its SSD data landed in host memory) is inserted at its arrival position, not at the tail.
-  `pick` returns the first ready request that fits the free GPU memory: a request too large for it is skipped,
-  it does not block the queue.
+  (`TierState.READY` / `MISS`). Order (`ready_order`): `arrival` (Bidaw) is FCFS by the *original arrival time*
+  (a request promoted from the preparing queue, its SSD data landed in host memory, is inserted at its arrival
+  position, not at the tail); `hrrn` (SGLang's prefill policy) is highest response ratio next,
+  (waiting time + 1 ms) / estimated service time, the service time being the GPU seconds of its uncached part
+  and its loads (the load plan's cost model: short prefills go first, waiting raises every ratio). `pick` returns the first ready
+  request in that order that fits the free GPU memory: a request too large for it is skipped, it does not block
+  the queue.
 - **preparing**: requests with part of their prefix only on the SSD (`PREPARING`), in disk-HRRN order
   (`DiskHRRNQueue`); `next_prefetch` hands the next read to the prefetcher and marks the request `LOADING`.
 - **delay-hit avoidance** (`delay_hit=True`): a ready request whose hint reports at least
   `delay_hit_threshold_tokens` prefix tokens being computed or loaded by another in-flight request
   (`TierHint.inflight_tokens`) is passed over until a newer hint reports them landed, instead of recomputing them.
+- **load or recompute**: `planner` (a `LoadPlanner` built from `load_plan`) is the engine's one decision object;
+  the connector and the simulator derive hints with it (`hint_derivation.derive_tier_hint`), so a request whose
+  SSD part is cheaper to recompute arrives READY instead of PREPARING. `gpu_backlog_s()` / `ssd_backlog_bytes()`
+  are the queue's share of the plan's context.
 - **starvation bound**: a request that has waited (since arrival) longer than
   `max(starvation_multiple * mean wait, starvation_floor_s)` - the mean over the last `mean_window` dispatched
   requests - goes first: in the ready queue it is no longer skipped for size (the GPU waits for memory to free up
@@ -38,16 +45,24 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 from kvtier.scheduler_hooks.hrrn import GiB, DiskHRRNQueue
+from kvtier.scheduler_hooks.load_plan import LOAD_PLAN_KEYS, LoadPlanConfig, LoadPlanner
+from kvtier.scheduler_hooks.ratio_index import RatioIndex
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BASELINE_NAMES",
+    "DUAL_QUEUE_MODIFIERS",
+    "KVTIER_SCHEDULER_NAMES",
+    "READY_ORDERS",
+    "SCHEDULER_KEYS",
     "SCHEDULER_NAMES",
     "DualQueueConfig",
     "DualQueuePolicy",
@@ -55,6 +70,12 @@ __all__ = [
     "SchedulingPolicy",
     "make_scheduling_policy",
 ]
+
+
+READY_ORDERS = ("arrival", "hrrn")
+#: keys of `kv_connector_extra_config["kvtier.scheduler"]` (README, "Using kvtier with vLLM")
+SCHEDULER_KEYS = ("delay_hit", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s",
+                  "mean_window", "ready_order") + LOAD_PLAN_KEYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +91,70 @@ class DualQueueConfig:
     #: total GPU KV units (same unit as `gpu_need`); a request needing more can never run, and the starvation bound
     #: does not hold the queue for it (the engine must reject it). None: unknown.
     gpu_capacity: int | None = None
+    #: order of the ready queue: `arrival` (FCFS by original arrival) or `hrrn` (by uncached service time)
+    ready_order: str = "arrival"
+    #: the load-or-recompute decision's knobs and cost model (also the service-time estimate of `hrrn`)
+    load_plan: LoadPlanConfig = field(default_factory=LoadPlanConfig)
+
+    @classmethod
+    def from_keys(cls, keys: dict | None, *, gpu_capacity: int | None = None, kv_bytes_per_token: int | None = None,
+                  prefix: str = "kvtier.scheduler") -> "DualQueueConfig":
+        """Build from the `kvtier.scheduler` dict of `kv_connector_extra_config` (keys: SCHEDULER_KEYS); a wrong key
+        or value raises ValueError naming the key and what it accepts."""
+        keys = dict(keys or {})
+        unknown = sorted(set(keys) - set(SCHEDULER_KEYS))
+        if unknown:
+            raise ValueError(f"{prefix}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SCHEDULER_KEYS)}")
+        out: dict = {}
+        if "delay_hit" in keys:
+            if not isinstance(keys["delay_hit"], bool):
+                raise ValueError(f"{prefix}.delay_hit must be true or false, got {keys['delay_hit']!r}")
+            out["delay_hit"] = keys["delay_hit"]
+        for key in ("delay_hit_threshold_tokens", "mean_window"):
+            if key in keys:
+                v = keys[key]
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"{prefix}.{key} must be an integer >= 1, got {v!r}")
+                out[key] = v
+        for key, lo in (("starvation_multiple", 0.0), ("starvation_floor_s", None)):
+            if key in keys:
+                v = keys[key]
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and \
+                    (v > lo if lo is not None else v >= 0)
+                if not ok:
+                    raise ValueError(f"{prefix}.{key} must be a number {'> 0' if lo is not None else '>= 0'}, "
+                                     f"got {v!r}")
+                out[key] = float(v)
+        if "ready_order" in keys:
+            if keys["ready_order"] not in READY_ORDERS:
+                raise ValueError(f"{prefix}.ready_order must be one of {', '.join(READY_ORDERS)}, got "
+                                 f"{keys['ready_order']!r}")
+            out["ready_order"] = keys["ready_order"]
+        plan = LoadPlanConfig.from_keys({k: v for k, v in keys.items() if k in LOAD_PLAN_KEYS},
+                                        kv_bytes_per_token=kv_bytes_per_token, prefix=prefix)
+        return cls(gpu_capacity=gpu_capacity, load_plan=plan, **out)
 
     def __post_init__(self) -> None:
+        if self.ready_order not in READY_ORDERS:
+            raise ValueError(f"ready_order must be one of {', '.join(READY_ORDERS)}, got {self.ready_order!r}")
         if self.delay_hit_threshold_tokens < 1:
             raise ValueError("delay_hit_threshold_tokens must be >= 1")
         if self.starvation_multiple <= 0 or self.starvation_floor_s < 0:
             raise ValueError("starvation_multiple must be > 0 and starvation_floor_s >= 0")
         if self.mean_window < 1:
             raise ValueError("mean_window must be >= 1")
+
+
+#: HRRN's ratio is (waiting time + this) / service: among requests that waited equally long (a burst arriving at
+#: once) the shortest goes first
+_RATIO_EPS_S = 1e-3
+_BUCKETS = 64  # log buckets of service time: 2**(k/4) ms, 0.5 ms .. ~28 min
+
+
+def _bucket(service_s: float) -> int:
+    if service_s <= 0.0005:
+        return 0
+    return min(_BUCKETS - 1, int(4 * math.log2(service_s * 2000.0)))
 
 
 @dataclass(slots=True)
@@ -87,6 +164,8 @@ class _Waiting:
     seq: int
     where: str = ""  # "ready" | "preparing" | "loading"
     key: tuple = field(default=())  # (arrival, seq): position in the ready list
+    service: float = 0.0  # estimated GPU seconds (ready requests)
+    inv: float = 0.0  # 1 / service: HRRN's ratio grows at this rate
 
 
 class SchedulingPolicy(Protocol):
@@ -132,18 +211,26 @@ class _WaitStats:
 
 
 class DualQueuePolicy:
-    """Ready queue (FCFS by arrival) + preparing queue (disk-HRRN) + delay-hit deferral + starvation bound."""
+    """Ready queue (FCFS by arrival, or HRRN) + preparing queue (disk-HRRN) + delay-hit deferral + starvation bound,
+    and the engine's load-or-recompute planner."""
 
     name = "dual-queue"
 
     def __init__(self, config: DualQueueConfig | None = None) -> None:
         self.config = config or DualQueueConfig()
+        self.planner = LoadPlanner(self.config.load_plan)
         self._reqs: dict[str, _Waiting] = {}
-        self._ready: list[tuple[float, int, str]] = []  # sorted by (arrival, seq)
+        #: ready entries (arrival, seq, request id, its _Waiting), sorted by (arrival, seq), which are unique
+        self._ready: list[tuple[float, int, str, _Waiting]] = []
         self._preparing = DiskHRRNQueue(self.config.hrrn_byte_unit)
         self._loading: set[str] = set()
         self._seq = 0
         self._waits = _WaitStats(self.config.mean_window)
+        self._hrrn = self.config.ready_order == "hrrn"
+        self._index = RatioIndex(_RATIO_EPS_S) if self._hrrn else None  # the ready requests, for HRRN
+        self._ready_work = 0.0  # sum of the ready requests' service estimates
+        self._work_buckets = [0.0] * _BUCKETS  # the same, by service time (log buckets), for HRRN's wait estimate
+        self._prep_bytes = 0  # SSD bytes of preparing + loading requests
         #: counters for reports
         self.stats = {"skipped_oversized": 0, "deferred_delay_hit": 0, "starvation_overrides": 0, "promoted": 0}
 
@@ -170,7 +257,7 @@ class DualQueuePolicy:
         return list(self._reqs)
 
     def ready_ids(self) -> list[str]:
-        return [rid for _, _, rid in self._ready]
+        return [e[2] for e in self._ready]
 
     def preparing_ids(self, now: float = 0.0) -> list[str]:
         return self._preparing.ordered(now)
@@ -179,7 +266,63 @@ class DualQueuePolicy:
         return sorted(self._loading, key=lambda r: self._reqs[r].key)
 
     def deferred_ids(self) -> list[str]:
-        return [rid for _, _, rid in self._ready if self._deferred(self._reqs[rid])]
+        return [e[2] for e in self._ready if self._deferred(e[3])]
+
+    def gpu_backlog_s(self, exclude: str | None = None) -> float:
+        """Estimated GPU seconds of every ready request but `exclude` (the plan's estimate of the wait a request
+        faces)."""
+        w = self._reqs.get(exclude) if exclude is not None else None
+        own = w.service if w is not None and w.where == "ready" else 0.0
+        return max(self._ready_work - own, 0.0)
+
+    def gpu_wait_estimate(self, service_s: float, exclude: str | None = None) -> float:
+        """Estimated GPU seconds of the ready requests served before a request of `service_s` GPU seconds: all of
+        them in arrival order; under HRRN those with a shorter service (and half of its own bucket's)."""
+        if not self._hrrn:
+            return self.gpu_backlog_s(exclude)
+        k = _bucket(service_s)
+        est = sum(self._work_buckets[:k]) + 0.5 * self._work_buckets[k]
+        w = self._reqs.get(exclude) if exclude is not None else None
+        if w is not None and w.where == "ready":
+            kk = _bucket(w.service)
+            est -= w.service if kk < k else (0.5 * w.service if kk == k else 0.0)
+        return max(est, 0.0)
+
+    def replan_idle(self, read_s: Callable[[TierHint], float], free_gpu: int | None = None) -> str | None:
+        """The GPU is about to idle with nothing admissible: recompute the SSD part of the preparing or loading
+        request that gains most by it (`LoadPlanner.recompute_now`: an earlier first token than waiting for its
+        read, which lands in `read_s(hint)` seconds at best; an issued read is left to finish into host memory).
+        Returns that request, now READY, or None."""
+        best: _Waiting | None = None
+        best_gain, best_read = 0.0, 0.0
+        for rid in [e.request_id for e in self._preparing] + list(self._loading):
+            w = self._reqs[rid]
+            plan = w.hint.plan
+            if plan is None or (free_gpu is not None and w.gpu_need > free_gpu):
+                continue
+            rs = read_s(w.hint)
+            gain = rs + plan.gpu_s - plan.fallback_gpu_s
+            if gain > best_gain:
+                best, best_gain, best_read = w, gain, rs
+        if best is None:
+            return None
+        plan = self.planner.recompute_now(best.hint.plan, best_read)
+        if plan is None:
+            return None
+        self.update(replace(best.hint, state=TierState.READY if plan.use_tokens > 0 else TierState.MISS, plan=plan))
+        return best.hint.request_id
+
+    def ssd_backlog_bytes(self, exclude: str | None = None) -> int:
+        """SSD bytes that preparing and loading requests but `exclude` still read."""
+        w = self._reqs.get(exclude) if exclude is not None else None
+        own = w.hint.ssd_bytes if w is not None and w.where in ("preparing", "loading") else 0
+        return max(self._prep_bytes - own, 0)
+
+    def service_s(self, hint: TierHint) -> float:
+        """Estimated GPU seconds of a request's job (its uncached prefill and its loads), from the planner's model."""
+        use = hint.use_tokens
+        s = self.planner.service_s(max(hint.prompt_tokens, use), use, max(use - hint.gpu_tokens, 0))
+        return max(s, 1e-6)  # HRRN divides by it
 
     def holds(self, request_id: str, now: float) -> bool:
         """Whether a waiting request must not be admitted now for a delay hit: its in-flight prefix is still
@@ -204,23 +347,40 @@ class DualQueuePolicy:
             i = bisect.bisect_left(self._ready, w.key + (rid,))
             if i < len(self._ready) and self._ready[i][2] == rid:
                 del self._ready[i]
+            if self._index is not None:
+                self._index.remove(rid)
+            self._ready_work -= w.service
+            self._work_buckets[_bucket(w.service)] -= w.service
+            if not self._ready:
+                self._ready_work = 0.0  # no drift from float sums
+                self._work_buckets = [0.0] * _BUCKETS
         elif w.where == "preparing":
             self._preparing.remove(rid)
+            self._prep_bytes -= w.hint.ssd_bytes
         elif w.where == "loading":
             self._loading.discard(rid)
+            self._prep_bytes -= w.hint.ssd_bytes
         w.where = ""
 
     def _place(self, w: _Waiting) -> None:
         rid, state = w.hint.request_id, w.hint.state
         if state.schedulable:
-            bisect.insort(self._ready, w.key + (rid,))  # by original arrival, whatever the promotion time
+            bisect.insort(self._ready, w.key + (rid, w))  # by original arrival, whatever the promotion time
             w.where = "ready"
+            w.service = self.service_s(w.hint)
+            w.inv = 1.0 / w.service
+            self._ready_work += w.service
+            self._work_buckets[_bucket(w.service)] += w.service
+            if self._index is not None:
+                self._index.put(rid, w.hint.arrival, w.inv, w.gpu_need, self._deferred(w))
         elif state is TierState.LOADING:
             self._loading.add(rid)
             w.where = "loading"
+            self._prep_bytes += w.hint.ssd_bytes
         else:
             self._preparing.push(rid, w.hint.arrival, w.hint.ssd_bytes)
             w.where = "preparing"
+            self._prep_bytes += w.hint.ssd_bytes
 
     def add(self, hint: TierHint, gpu_need: int = 0) -> None:
         """Queue a new request (or replace the hint of a queued one)."""
@@ -238,6 +398,8 @@ class DualQueuePolicy:
         if w is None:
             self.add(hint, gpu_need or 0)
             return
+        if (hint is w.hint or hint == w.hint) and (gpu_need is None or gpu_need == w.gpu_need):
+            return  # the vLLM hook refreshes every waiting request's hint each step: most did not change
         if hint.arrival != w.hint.arrival:
             hint = replace(hint, arrival=w.hint.arrival)
         if gpu_need is not None:
@@ -245,11 +407,23 @@ class DualQueuePolicy:
         old = w.where
         new_where = "ready" if hint.state.schedulable else ("loading" if hint.state is TierState.LOADING else "preparing")
         if old == new_where == "preparing":
+            self._prep_bytes += hint.ssd_bytes - w.hint.ssd_bytes
             w.hint = hint
             self._preparing.push(hint.request_id, hint.arrival, hint.ssd_bytes)  # size update, keeps position
             return
         if old == new_where:
+            if old == "ready":
+                service = self.service_s(hint)
+                self._ready_work += service - w.service
+                self._work_buckets[_bucket(w.service)] -= w.service
+                self._work_buckets[_bucket(service)] += service
+                w.service = service
+                w.inv = 1.0 / service
+            else:
+                self._prep_bytes += hint.ssd_bytes - w.hint.ssd_bytes
             w.hint = hint
+            if old == "ready" and self._index is not None:
+                self._index.put(hint.request_id, hint.arrival, w.inv, w.gpu_need, self._deferred(w))
             return
         self._detach(w)
         w.hint = hint
@@ -287,16 +461,8 @@ class DualQueuePolicy:
             return
         if hint is None:
             h = w.hint
-            hint = TierHint(
-                request_id=h.request_id,
-                gpu_tokens=h.gpu_tokens,
-                host_tokens=h.host_tokens + h.ssd_tokens,
-                ssd_tokens=0,
-                ssd_bytes=0,
-                state=TierState.READY,
-                arrival=h.arrival,
-                inflight_tokens=h.inflight_tokens,
-            )
+            hint = replace(h, host_tokens=h.host_tokens + h.ssd_tokens, ssd_tokens=0, ssd_bytes=0,
+                           state=TierState.READY)
         self.update(hint)
 
     # --- scheduler side ------------------------------------------------------------------------------------------
@@ -310,10 +476,10 @@ class DualQueuePolicy:
         `free_gpu=None` means no memory check. Returns None when the oldest ready request is starving and does not
         fit: the caller then waits for memory to free up instead of admitting younger requests (the bound).
         """
-        if not self._ready:
+        ready = self._ready
+        if not ready:
             return None
-        reqs = self._reqs
-        head = reqs[self._ready[0][2]]
+        head = ready[0][3]
         if self._starving(head, now, self.starvation_threshold()):
             fits = free_gpu is None or head.gpu_need <= free_gpu
             if not fits or self._deferred(head):
@@ -321,47 +487,61 @@ class DualQueuePolicy:
             return head.hint.request_id if fits else None
         delay_hit = self.config.delay_hit
         thr = self.config.delay_hit_threshold_tokens
-        for _, _, rid in self._ready:
-            w = reqs[rid]
+        big = free_gpu if free_gpu is not None else float("inf")
+        if self._index is not None:  # highest (now + eps - arrival) / service first
+            rid, deferred, oversized = self._index.best(now, big)
+            self.stats["deferred_delay_hit"] += deferred
+            self.stats["skipped_oversized"] += oversized
+            return rid
+        for e in ready:
+            w = e[3]
             if delay_hit and w.hint.inflight_tokens >= thr:
                 self.stats["deferred_delay_hit"] += 1
-                continue
-            if free_gpu is not None and w.gpu_need > free_gpu:
+            elif w.gpu_need > big:
                 self.stats["skipped_oversized"] += 1
-                continue
-            return rid
+            else:
+                return e[2]
         return None
 
     def order(self, now: float, free_gpu: int | None = None, with_prefetch_order: bool = False) -> list[str]:
         """Every waiting request, in the order a scheduler should try them this step.
 
-        Admissible ready requests come first (arrival order, each counted against `free_gpu` as if admitted), then
-        ready requests that do not fit or are deferred, then loading and preparing requests (which a connector
-        answers with "not yet"; in disk-HRRN order only with `with_prefetch_order=True`, which costs a sort). A starving head that does not fit stays first, so that a scheduler which stops at
-        the first request it cannot allocate (vLLM) waits for memory for it.
+        Admissible ready requests come first (in the ready order, each counted against `free_gpu` as if admitted),
+        then ready requests that do not fit or are deferred, then loading and preparing requests (which a connector
+        answers with "not yet"; in disk-HRRN order only with `with_prefetch_order=True`, which costs a sort). A
+        starving head that does not fit stays first, so that a scheduler which stops at the first request it
+        cannot allocate (vLLM) waits for memory for it.
         """
         out: list[str] = []
         later: list[str] = []
-        free = free_gpu
+        free = free_gpu if free_gpu is not None else float("inf")
         rest = self._ready
         if rest:
-            head = self._reqs[rest[0][2]]
+            head = rest[0][3]
             if self._starving(head, now, self.starvation_threshold()):
                 out.append(head.hint.request_id)
-                if free is not None and head.gpu_need > free:
-                    later = [rid for _, _, rid in rest[1:]]  # the scheduler stops at the head: reserve for it
+                if head.gpu_need > free:
+                    later = [e[2] for e in rest[1:]]  # the scheduler stops at the head: reserve for it
                     rest = []
                 else:
                     rest = rest[1:]
-                    if free is not None:
-                        free -= head.gpu_need
-        for _, _, rid in rest:
-            w = self._reqs[rid]
-            if self._deferred(w) or (free is not None and w.gpu_need > free):
-                later.append(rid)
-                continue
-            out.append(rid)
-            if free is not None:
+                    free -= head.gpu_need
+        if rest and self._index is not None:
+            first, other = self._index.order(now, free)
+            if out:  # the starving head is already placed
+                first = [r for r in first if r != out[0]]
+                other = [r for r in other if r != out[0]]
+            out.extend(first)
+            later.extend(other)
+            rest = []
+        delay_hit = self.config.delay_hit
+        thr = self.config.delay_hit_threshold_tokens
+        for e in rest:
+            w = e[3]
+            if (delay_hit and w.hint.inflight_tokens >= thr) or w.gpu_need > free:
+                later.append(e[2])
+            else:
+                out.append(e[2])
                 free -= w.gpu_need
         out.extend(later)
         if with_prefetch_order:
@@ -369,7 +549,7 @@ class DualQueuePolicy:
             out.extend(self.prefetch_order(now))
         else:  # a connector answers "not yet" for all of them: their relative order does not matter
             out.extend(self._loading)
-            out.extend(e.request_id for e in self._preparing)
+            out.extend(self._preparing.ids())
         return out
 
     def dispatched(self, request_id: str, now: float) -> None:
@@ -419,6 +599,8 @@ class FCFSPolicy:
         w = self._reqs.get(hint.request_id)
         if w is None:
             self.add(hint, gpu_need or 0)
+            return
+        if (hint is w.hint or hint == w.hint) and (gpu_need is None or gpu_need == w.gpu_need):
             return
         was_preparing = w.hint.state is TierState.PREPARING
         w.hint = replace(hint, arrival=w.hint.arrival)
@@ -485,18 +667,42 @@ class FCFSPolicy:
         self.remove(request_id)
 
 
-SCHEDULER_NAMES = ("fcfs", "fcfs+prefetch", "dual-queue", "dual-queue+delay-hit")
+#: fair baselines: vLLM's order with a synchronous SSD tier, with eager SSD prefetch, and without host/SSD tiers
+BASELINE_NAMES = ("fcfs", "fcfs+prefetch", "recompute")
+#: kvtier's schedulers (every dual-queue name may add the modifiers `+hrrn`, `+delay-hit`, `+always-load`)
+KVTIER_SCHEDULER_NAMES = ("dual-queue", "dual-queue+delay-hit", "dual-queue+hrrn", "dual-queue+hrrn+delay-hit")
+SCHEDULER_NAMES = BASELINE_NAMES + KVTIER_SCHEDULER_NAMES
+DUAL_QUEUE_MODIFIERS = ("hrrn", "delay-hit", "always-load")
 
 
 def make_scheduling_policy(name: str, config: DualQueueConfig | None = None) -> SchedulingPolicy:
-    """`fcfs`, `fcfs+prefetch`, `dual-queue` (delay-hit off) or `dual-queue+delay-hit`."""
+    """A policy by name.
+
+    - `fcfs`, `recompute`: vLLM's order (the head blocks); `recompute` is the same policy for an engine without
+      host or SSD tiers (the simulator then keeps only vLLM's GPU prefix cache).
+    - `fcfs+prefetch`: the same order, SSD reads issued eagerly in arrival order.
+    - `dual-queue[+hrrn][+delay-hit][+always-load]`: kvtier's `DualQueuePolicy` with `config`'s knobs, except that
+      the name decides the ready order (`+hrrn`, else `arrival`), delay-hit avoidance (`+delay-hit`, else off) and
+      the load plan (`+always-load` turns load-or-recompute off: everything cached is loaded).
+    """
     if name == "fcfs":
         return FCFSPolicy(prefetch=False)
+    if name == "recompute":
+        p = FCFSPolicy(prefetch=False)
+        p.name = "recompute"
+        return p
     if name == "fcfs+prefetch":
         return FCFSPolicy(prefetch=True)
-    if name in ("dual-queue", "dual-queue+delay-hit"):
-        cfg = replace(config or DualQueueConfig(), delay_hit=name == "dual-queue+delay-hit")
+    base, *mods = name.split("+")
+    if base == "dual-queue" and len(set(mods)) == len(mods) and all(m in DUAL_QUEUE_MODIFIERS for m in mods):
+        cfg = config or DualQueueConfig()
+        plan = cfg.load_plan
+        if "always-load" in mods:
+            plan = replace(plan, load_or_recompute=False)
+        cfg = replace(cfg, delay_hit="delay-hit" in mods, ready_order="hrrn" if "hrrn" in mods else "arrival",
+                      load_plan=plan)
         p = DualQueuePolicy(cfg)
         p.name = name
         return p
-    raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULER_NAMES)}")
+    raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULER_NAMES)} (dual-queue names "
+                     f"may combine the modifiers +{', +'.join(DUAL_QUEUE_MODIFIERS)})")

@@ -84,6 +84,10 @@ class DiskHRRNQueue:
     def __iter__(self) -> Iterator[HRRNEntry]:
         return iter(list(self._entries.values()))
 
+    def ids(self) -> list[str]:
+        """Queued request ids, in insertion order (no ratio arithmetic)."""
+        return list(self._entries)
+
     def ratio(self, request_id: str, now: float) -> float:
         e = self._entries[request_id]
         return response_ratio(now, e.arrival, e.nbytes, self.byte_unit)

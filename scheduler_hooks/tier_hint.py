@@ -12,12 +12,21 @@ Token counts describe the request's prompt prefix, walked from its first token, 
 `ssd_tokens` are tokens found only on the SSD tier (they must be read into host memory before the request can run
 without stalling the GPU); `inflight_tokens` are tokens that are being computed or loaded *by another in-flight
 request* right now and are resident nowhere yet (Strata's delay-hit case).
+
+`plan` is the load-or-recompute decision (`kvtier.scheduler_hooks.load_plan.LoadPlan`) when the hint was derived
+with a planner (`kvtier.scheduler_hooks.hint_derivation.derive_tier_hint`): the state then follows the plan (a
+request whose SSD part is to be recomputed is READY, not PREPARING), and `plan.use_tokens` is the prefix it uses.
+Hints are derived in one place for production and the simulator: `hint_derivation`.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.scheduler_hooks.load_plan import LoadPlan
 
 __all__ = ["TierHint", "TierState", "classify"]
 
@@ -53,9 +62,13 @@ class TierHint:
     arrival: float = 0.0
     #: prefix tokens being computed or loaded by another in-flight request (not resident anywhere yet)
     inflight_tokens: int = 0
+    #: the request's prompt length (0: unknown)
+    prompt_tokens: int = 0
+    #: the load-or-recompute decision, when a planner made one
+    plan: "LoadPlan | None" = None
 
     def __post_init__(self) -> None:
-        for name in ("gpu_tokens", "host_tokens", "ssd_tokens", "ssd_bytes", "inflight_tokens"):
+        for name in ("gpu_tokens", "host_tokens", "ssd_tokens", "ssd_bytes", "inflight_tokens", "prompt_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TierHint.{name} must be >= 0, got {getattr(self, name)}")
         if not isinstance(self.state, TierState):
@@ -69,6 +82,16 @@ class TierHint:
     @property
     def needs_ssd(self) -> bool:
         return self.ssd_tokens > 0 or self.ssd_bytes > 0
+
+    @property
+    def use_tokens(self) -> int:
+        """Prefix tokens the request will not compute: the plan's, else everything cached."""
+        return self.plan.use_tokens if self.plan is not None else self.cached_tokens
+
+    @property
+    def uncached_tokens(self) -> int:
+        """Prompt tokens the request computes (0 when the prompt length is unknown)."""
+        return max(self.prompt_tokens - self.use_tokens, 0)
 
     def with_state(self, state: TierState) -> TierHint:
         return replace(self, state=state)

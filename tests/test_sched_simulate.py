@@ -24,6 +24,7 @@ from kvtier.tools.simulate import (
 NO_STARVE = DualQueueConfig(starvation_floor_s=1e9)
 COST = get_profile("llama3-8b-h100")
 BLOCK_READ_S = 512 * COST.kv_bytes_per_token / COST.ssd_read_bytes_per_s  # one 512-token block from SSD
+BLOCK_WRITE_S = 512 * COST.kv_bytes_per_token / COST.ssd_write_bytes_per_s  # and to it
 
 
 def req(rid: str, arrival: float, blocks, input_tokens: int | None = None, output: int = 10) -> SimRequest:
@@ -50,7 +51,7 @@ def test_ssd_request_does_not_block_host_request():
     ]
     seed = {"ssd": list(range(1, 21)), "host": [101, 102, 103, 104]}
     runs = {}
-    for s in ("fcfs", "fcfs+prefetch", "dual-queue"):
+    for s in ("fcfs", "fcfs+prefetch", "dual-queue+always-load"):
         sim = make(reqs, s, seed)
         res = sim.run()
         assert res.completed == 3
@@ -61,14 +62,17 @@ def test_ssd_request_does_not_block_host_request():
     assert fcfs.queue["B"] > 20 * BLOCK_READ_S  # B waited behind A's synchronous SSD read and its prefill
     pre, _ = runs["fcfs+prefetch"]
     assert pre.dispatch_order == ["A", "B", "C"] and pre.queue["B"] > 20 * BLOCK_READ_S - 0.01
-    dual, dres = runs["dual-queue"]
+    dual, dres = runs["dual-queue+always-load"]  # Bidaw: A waits for its prefetch, B and C go first
     assert dual.dispatch_order == ["B", "C", "A"]
     assert dual.queue["B"] == pytest.approx(0.0, abs=1e-9)  # GPU idle at its arrival: served at once
     assert dual.queue["C"] < 0.2
-    assert dual.queue["A"] == pytest.approx(20 * BLOCK_READ_S, rel=0.05)  # waited for its prefetch only
+    # A waited for its prefetch only, and that read shared the SSD with the write-back of B's and C's 3 computed
+    # blocks (queued meanwhile, all done before the read): the read ends when the device has done both
+    assert dual.queue["A"] == pytest.approx(20 * BLOCK_READ_S + 3 * BLOCK_WRITE_S, rel=1e-6)
     assert dres.tokens["ssd_prefetch"] == 20 * 512 and dres.tokens["ssd_sync"] == 0
     assert dres.tokens["host"] == 4 * 512
     assert dual.read_order == ["A"]
+    assert dres.ssd_write_gb == pytest.approx(4 * 512 * COST.kv_bytes_per_token / 1e9)  # B, C and A's new block
 
 
 def test_promoted_request_keeps_its_arrival_order():
@@ -93,7 +97,7 @@ def test_disk_hrrn_issues_small_reads_first():
         req("S3", 0.02, [41, 42]),  # 1 SSD block: overtakes S2 under HRRN
     ]
     seed = {"ssd": list(range(1, 11)) + list(range(21, 29)) + [41]}
-    dual = make(reqs, "dual-queue", seed)
+    dual = make(reqs, "dual-queue+always-load", seed)
     assert dual.run().completed == 3
     assert dual.read_order == ["S1", "S3", "S2"]
     fifo = make(reqs, "fcfs+prefetch", seed)
@@ -126,27 +130,104 @@ def test_too_large_for_the_gpu_is_rejected():
     assert res.completed == 1 and res.rejected == 1 and res.requests == 2
 
 
-def test_delay_hit_waits_for_an_inflight_load_instead_of_recomputing():
+def test_delay_hit_waits_for_a_prefix_being_computed_instead_of_recomputing_it():
+    """The computing window: A's 10-block prefill is one chunk, so the next admission opens as it starts; B arrives
+    while A computes the prefix they share."""
     reqs = [
-        req("A", 0.00, list(range(1, 11)) + [11]),  # 10 SSD blocks: its prefetch is in flight from t=0
-        req("B", 0.01, list(range(1, 11)) + [12]),  # same 10-block prefix, arrives while A's read is in flight
+        req("A", 0.00, list(range(1, 11)) + [11]),
+        req("B", 0.01, list(range(1, 11)) + [12]),  # same 10-block prefix
     ]
-    seed = {"ssd": list(range(1, 11))}
-    plain = make(reqs, "dual-queue", seed)
+    plain = make(reqs, "dual-queue")
     pres = plain.run()
-    assert plain.dispatch_order == ["B", "A"]  # B looked ready and recomputed the in-flight prefix
-    assert pres.tokens["computed"] == 11 * 512 + 512
-    dh = make(reqs, "dual-queue+delay-hit", seed)
+    assert plain.dispatch_order == ["A", "B"]
+    assert plain.queue["B"] > 0.1  # its job still ran after A's: only its admission came early
+    assert pres.tokens["computed"] == 11 * 512 + 11 * 512  # B recomputed A's in-flight prefix
+    assert pres.recomputed == {"inflight": 10 * 512, "plan": 0, "evicted": 0}
+    dh = make(reqs, "dual-queue+delay-hit", None)
     dres = dh.run()
-    assert dh.dispatch_order == ["A", "B"]  # B waited for A's load, then both run in arrival order
-    assert dres.tokens["computed"] == 512 + 512
-    assert dres.policy_stats["deferred_delay_hit"] >= 1
-    assert dh.read_order == ["A"]  # B's prefix was not read twice
-    assert dh.queue["B"] >= 10 * BLOCK_READ_S - 0.011
+    assert dh.dispatch_order == ["A", "B"]
+    assert dres.tokens["computed"] == 11 * 512 + 512  # B waited for A's blocks, then loaded them
+    assert dres.recomputed_tokens == 0 and dres.policy_stats["deferred_delay_hit"] >= 1
+    assert dres.tokens["gpu"] == 10 * 512
     # the threshold is configurable: above the in-flight size, B is not deferred
-    high = make(reqs, "dual-queue+delay-hit", seed, policy=replace(NO_STARVE, delay_hit_threshold_tokens=6000))
-    high.run()
-    assert high.dispatch_order == ["B", "A"]
+    high = make(reqs, "dual-queue+delay-hit", policy=replace(NO_STARVE, delay_hit_threshold_tokens=6000))
+    assert high.run().recomputed["inflight"] == 10 * 512
+
+
+def test_delay_hit_sees_a_prefix_that_an_admission_after_its_arrival_computes():
+    """A and B wait behind L; when A is admitted B's hint changes (production counts in-flight chunks live), so B
+    is held until A's prefix lands instead of recomputing it."""
+    reqs = [req("L", 0.0, range(100, 140)), req("A", 0.01, list(range(1, 11)) + [11]),
+            req("B", 0.02, list(range(1, 11)) + [12])]
+    plain = make(reqs, "dual-queue").run()
+    dh = make(reqs, "dual-queue+delay-hit").run()
+    assert plain.recomputed["inflight"] == 10 * 512 and dh.recomputed_tokens == 0
+    assert dh.tokens["gpu"] == 10 * 512 and dh.tokens["computed"] == plain.tokens["computed"] - 10 * 512
+
+
+def test_a_long_prefill_lands_its_earlier_chunks_before_the_next_admission():
+    """A 20,480-token prefill runs in chunks of 8,192: when the next request is admitted (the last chunk starts),
+    the blocks of the first two chunks (32 of 40) have landed; only the last chunk's 8 are in flight."""
+    reqs = [req("A", 0.0, range(1, 41)), req("B", 0.01, list(range(1, 41)) + [99])]
+    res = make(reqs, "dual-queue").run()
+    assert res.recomputed["inflight"] == 8 * 512
+    assert res.tokens["computed"] == 40 * 512 + 9 * 512
+
+
+def test_a_prefix_is_read_from_the_ssd_once_for_two_requests():
+    seed = {"ssd": list(range(1, 11))}
+    reqs = [
+        req("A", 0.00, list(range(1, 11)) + [11]),  # its read of the 10 SSD blocks starts at once
+        req("B", 0.01, list(range(1, 11)) + [12]),  # same prefix: PREPARING; when its turn comes A's read has
+    ]  # brought the blocks into host memory: nothing left to read
+    for name in ("dual-queue+always-load", "dual-queue+delay-hit+always-load"):
+        sim = make(reqs, name, seed)
+        res = sim.run()
+        assert sim.read_order == ["A"], name
+        assert res.tokens["ssd_prefetch"] == 10 * 512 and res.tokens["host"] == 10 * 512, name
+        assert res.recomputed_tokens == 0 and res.tokens["computed"] == 2 * 512
+        assert res.ssd_read_gb == pytest.approx(10 * 512 * COST.kv_bytes_per_token / 1e9)
+        assert sim.queue["B"] >= 10 * BLOCK_READ_S - 0.011
+
+
+def test_load_plan_recomputes_an_unhidden_ssd_read_and_prefetches_a_hidden_one():
+    # GPU idle: reading 20 blocks (0.89 s) is slower than recomputing them (~0.4 s): recompute, at once - by the
+    # idle-GPU re-plan (default weight) or already at arrival (weight 0: the request's own first token only)
+    reqs = [req("A", 0.0, range(1, 22))]
+    seed = {"ssd": list(range(1, 21))}
+    load = make(reqs, "dual-queue+always-load", seed)
+    lres = load.run()
+    assert lres.tokens["ssd_prefetch"] == 20 * 512 and load.queue["A"] == pytest.approx(20 * BLOCK_READ_S)
+    own = replace(NO_STARVE, load_plan=replace(NO_STARVE.load_plan, recompute_gpu_weight=0.0))
+    for policy, stat in ((NO_STARVE, "replan_recompute_ssd"), (own, "plan_recompute_ssd")):
+        plan = make(reqs, "dual-queue", seed, policy=policy)
+        pres = plan.run()
+        assert plan.queue["A"] == 0.0 and pres.tokens["ssd_prefetch"] == 0 and pres.ssd_read_gb == 0
+        assert pres.recomputed == {"inflight": 0, "plan": 20 * 512, "evicted": 0}
+        assert pres.policy_stats[stat] == 1 and plan.read_order == []
+        assert plan.ttft["A"] < load.ttft["A"]  # never slower than no cache
+    # behind a long job (L: 80 blocks, ~3.3 s of prefill) the read is hidden: prefetch
+    reqs = [req("L", 0.0, range(100, 180)), req("A", 0.01, range(1, 22))]
+    sim = make(reqs, "dual-queue", seed)
+    res = sim.run()
+    assert res.tokens["ssd_prefetch"] == 20 * 512 and res.recomputed["plan"] == 0
+    assert sim.read_order == ["A"] and res.policy_stats["plan_prefetch"] >= 1
+
+
+def test_recompute_baseline_has_no_host_or_ssd_tier():
+    # a GPU cache of 5 blocks: u's 3 blocks push t1's first 2 out; t2 recomputes t1's history (its prefix stops at
+    # block 1); a seeded host/SSD copy does not exist in this engine
+    reqs = [req("t1", 0.0, [1, 2, 3, 4]), req("u", 2.0, [21, 22, 23]), req("t2", 5.0, [1, 2, 3, 4, 5])]
+    res = make(reqs, "recompute", {"ssd": [1, 2], "host": [1, 2]}, gpu_kv_tokens=5 * 512 + 20).run()
+    assert res.completed == 3
+    assert res.tokens["host"] == res.tokens["ssd_prefetch"] == res.tokens["ssd_sync"] == res.tokens["gpu"] == 0
+    assert res.ssd_write_gb == 0 and res.ssd_read_gb == 0 and res.ssd_util == 0
+    assert res.tokens["computed"] == 4 * 512 + 3 * 512 + 5 * 512
+    assert res.recomputed["evicted"] == 2 * 512 + 4 * 512  # t1 recomputed the seeded blocks, t2 t1's history
+    # the same with kvtier's tiers: t2 loads t1's history from the host tier
+    tiered = make(reqs, "dual-queue", gpu_kv_tokens=5 * 512 + 20).run()
+    assert tiered.tokens["host"] >= 2 * 512 and tiered.tokens["host"] + tiered.tokens["gpu"] == 4 * 512
+    assert tiered.recomputed_tokens == 0 and tiered.tokens["computed"] == 4 * 512 + 3 * 512 + 512
 
 
 def test_host_eviction_pushes_blocks_to_ssd_and_dual_queue_prefetches_them():
@@ -157,7 +238,7 @@ def test_host_eviction_pushes_blocks_to_ssd_and_dual_queue_prefetches_them():
         req("u1", 5.0, [11, 12, 13, 14, 15, 16]),
         req("t2", 10.0, [1, 2, 3, 4, 5]),  # follow-up turn of t1: its history is on SSD only by now
     ]
-    for s, key in (("fcfs", "ssd_sync"), ("dual-queue", "ssd_prefetch")):
+    for s, key in (("fcfs", "ssd_sync"), ("dual-queue+always-load", "ssd_prefetch")):
         sim = make(reqs, s, host_bytes=4 * block_bytes, gpu_kv_tokens=6 * 512 + 40)
         res = sim.run()
         assert res.completed == 3
@@ -227,7 +308,9 @@ def test_cli_all_schedulers_with_given_time_scale(trace, tmp_path):
     assert rc == 0
     d = json.loads(out.read_text())
     assert d["time_scale"] == 0.5
-    assert [r["scheduler"] for r in d["runs"]] == ["fcfs", "fcfs+prefetch", "dual-queue", "dual-queue+delay-hit"]
+    assert [r["scheduler"] for r in d["runs"]] == ["fcfs", "fcfs+prefetch", "recompute", "dual-queue",
+                                                  "dual-queue+delay-hit", "dual-queue+hrrn",
+                                                  "dual-queue+hrrn+delay-hit"]
     for r in d["runs"]:
         assert r["completed"] == n and r["eviction"] == "fifo" and r["time_scale"] == 0.5
     with pytest.raises(SystemExit):
@@ -316,3 +399,23 @@ def test_demo_slice_dual_queue_beats_fcfs():
     assert fcfs.tokens["ssd_sync"] > 0 and dual.tokens["ssd_prefetch"] > 0  # the slice exercises the SSD tier
     assert dual.mean_queue_s < fcfs.mean_queue_s
     assert dual.p99_ttft_s <= fcfs.p99_ttft_s
+
+
+def test_shared_prefix_workload_has_the_documented_property(tmp_path, capsys):
+    from kvtier.tools.workloads import SharedPrefixSpec, generate_shared_prefix, shared_prefix_stats
+
+    spec = SharedPrefixSpec(requests=1500, seed=3)
+    lines = generate_shared_prefix(spec)
+    assert lines == generate_shared_prefix(spec) and lines != generate_shared_prefix(replace(spec, seed=4))
+    st = shared_prefix_stats(lines)
+    assert st["requests"] == 1500 and abs(st["share_fraction"] - 0.38) < 0.04
+    assert shared_prefix_stats(generate_shared_prefix(replace(spec, shared_fraction=0.0)))["share_fraction"] < 0.02
+    assert all(o["hash_ids"][0] == 0 and len(o["hash_ids"]) == -(-o["input_length"] // 512) for o in lines)
+    assert [o["timestamp"] for o in lines] == sorted(o["timestamp"] for o in lines)
+    out = tmp_path / "shared.jsonl"
+    assert cli_main(["workload", "shared-prefix", str(out), "--requests", "300", "--seed", "3"]) == 0
+    assert "share >= 6K prefix tokens" in capsys.readouterr().out
+    reqs = load_trace(out)
+    assert len(reqs) == 300 and reqs[0].blocks[0] == 0
+    with pytest.raises(ValueError):
+        SharedPrefixSpec(prefix_min=9000, prefix_max=100)

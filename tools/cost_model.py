@@ -12,14 +12,16 @@ GPU compute (one GPU, prefills served one at a time; see `kvtier.tools.simulate`
   is weights / (hbm_bw * decode_batch) + its own KV / hbm_bw (every step reads the weights once for the batch and
   the request's KV for itself); it holds its GPU KV for output_tokens * tpot_s of wall time, tpot_s being one
   decode step of that batch at the trace's mean context.
-Transfers: host -> GPU over PCIe at `pcie_bytes_per_s`; SSD -> host at `ssd_read_bytes_per_s` (one device, reads
-served one at a time). SSD write-back traffic is *not* charged (reported by the simulator as a volume only).
+- chunked prefill: a prefill runs in chunks of `prefill_chunk_tokens` (vLLM's token budget per step); the engine
+  can admit the next request when a running prefill reaches its last chunk (the simulator's computing window).
+Transfers: host -> GPU over PCIe at `pcie_bytes_per_s`; SSD -> host at `ssd_read_bytes_per_s` and write-back at
+`ssd_write_bytes_per_s`, on one device that reads and writes share (`kvtier.tools.sim_ssd`).
 Capacities: GPU KV = gpu_mem * gpu_mem_util - weights - activation reserve; host and SSD tiers as given.
 
 Profiles:
 - `llama3-8b-h100` (default): Llama-3-8B (GQA: 8 KV heads x 128 dims x 32 layers x 2 (K,V) x 2 bytes
-  = 128 KiB of KV per token) on one 80 GB H100-class GPU, 200 GB host tier, one 1.5 GB/s SSD, PCIe 4 x16
-  (Bidaw's storage setup).
+  = 128 KiB of KV per token) on one 80 GB H100-class GPU, 200 GB host tier, one SSD reading and writing
+  1.5 GB/s, PCIe 4 x16 (Bidaw's storage setup), chunked prefill of 8,192 tokens per step.
 - `opt-13b-a800`: Bidaw's OPT-13B (MHA, 800 KiB/token) on an 80 GB A800. Its GPU holds ~50k tokens of KV, so
   the Mooncake trace's longest prompts do not fit (the simulator counts them as rejected).
 """
@@ -68,6 +70,7 @@ class HardwareSpec:
     ssd_tier_bytes: float = 8000 * GB
     pcie_bytes_per_s: float = 25 * GB  #: PCIe 4.0 x16, pinned memcpy
     ssd_read_bytes_per_s: float = 1.5 * GB
+    ssd_write_bytes_per_s: float = 1.5 * GB
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,8 @@ class CostProfile:
     ssd_bytes: int
     pcie_bytes_per_s: float
     ssd_read_bytes_per_s: float
+    ssd_write_bytes_per_s: float
+    prefill_chunk_tokens: int
 
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
         n = max(int(new_tokens), 0)
@@ -100,6 +105,26 @@ class CostProfile:
 
     def ssd_read_time(self, nbytes: float) -> float:
         return nbytes / self.ssd_read_bytes_per_s
+
+    def last_chunk_time(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds of a prefill's last chunk (`prefill_chunk_tokens` per chunk): the engine admits the next request
+        when this chunk starts."""
+        n = max(int(new_tokens), 0)
+        if n == 0:
+            return 0.0
+        k = n - self.prefill_chunk_tokens * ((n - 1) // self.prefill_chunk_tokens)
+        return min(self.prefill_time(n, cached_tokens), self.prefill_time(k, cached_tokens + n - k))
+
+    def load_cost_model(self):
+        """The same numbers as the load plan's cost model (`kvtier.scheduler_hooks.load_plan.LoadCostModel`)."""
+        from kvtier.scheduler_hooks.load_plan import LoadCostModel
+
+        return LoadCostModel(kv_bytes_per_token=self.kv_bytes_per_token,
+                             ssd_read_bytes_per_s=self.ssd_read_bytes_per_s,
+                             host_load_bytes_per_s=self.pcie_bytes_per_s,
+                             prefill_s_per_token=self.linear_s_per_token,
+                             prefill_s_per_token_pair=self.attn_s_per_pair,
+                             prefill_overhead_s=self.prefill_overhead_s)
 
     def decode_gpu_time(self, output_tokens: int, context_tokens: int) -> float:
         """The request's share of GPU time over its whole decode (continuous batching at `decode_batch`)."""
@@ -123,6 +148,7 @@ def build_profile(
     decode_batch: int = 32,
     mean_context_tokens: int = 13_000,
     prefill_overhead_s: float = 0.003,
+    prefill_chunk_tokens: int = 8192,
 ) -> CostProfile:
     flops = hw.peak_flops * hw.mfu
     kv = model.kv_bytes_per_token
@@ -146,6 +172,8 @@ def build_profile(
         ssd_bytes=int(hw.ssd_tier_bytes),
         pcie_bytes_per_s=hw.pcie_bytes_per_s,
         ssd_read_bytes_per_s=hw.ssd_read_bytes_per_s,
+        ssd_write_bytes_per_s=hw.ssd_write_bytes_per_s,
+        prefill_chunk_tokens=prefill_chunk_tokens,
     )
 
 

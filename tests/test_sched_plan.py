@@ -1,0 +1,235 @@
+"""Load or recompute (`LoadPlanner`), the shared hint derivation, the `kvtier.scheduler` keys, and HRRN's ready order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvtier.scheduler_hooks.dual_queue_policy import SCHEDULER_KEYS, DualQueueConfig, DualQueuePolicy
+from kvtier.scheduler_hooks.hint_derivation import (
+    PrefetchPhase,
+    Residency,
+    count_inflight,
+    derive_tier_hint,
+    walk_prefix,
+)
+from kvtier.scheduler_hooks.load_plan import (
+    LoadAction,
+    LoadCostModel,
+    LoadPlanConfig,
+    LoadPlanner,
+    PlanContext,
+)
+from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
+
+COST = LoadCostModel()  # Llama-3-8B on an H100, 1.5 GB/s SSD
+KV = COST.kv_bytes_per_token
+# a 16k-token prompt: 512 on the GPU, 3,584 in host memory, 10,240 only on SSD, 2,048 new
+SSD_CASE = dict(prompt_tokens=16_384, gpu_tokens=512, host_end=4096, hit_end=14_336, ssd_tokens=10_240,
+                ssd_bytes=10_240 * KV)
+READ_S = 10_240 * KV / 1.5e9  # 0.89 s
+
+
+def test_cost_model_numbers():
+    assert COST.ssd_read_s(10_240 * KV) == pytest.approx(READ_S)
+    assert COST.ssd_read_s(10_240 * KV, share=0.5) == pytest.approx(2 * READ_S)
+    assert COST.prefill_s(0, 5000) == 0.0
+    # 13k tokens: ~1.1 s from the SSD, ~0.5 s to recompute (the issue's arithmetic)
+    assert COST.ssd_read_s(13_000 * KV) == pytest.approx(1.14, abs=0.01)
+    assert COST.prefill_s(13_000) == pytest.approx(0.51, abs=0.02)
+    with pytest.raises(ValueError, match="ssd_read_bytes_per_s"):
+        LoadCostModel(ssd_read_bytes_per_s=0)
+
+
+def test_idle_gpu_recomputes_the_ssd_part_and_a_waiting_request_prefetches_it():
+    p = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0))  # the request's own first token only
+    idle = p.plan(**SSD_CASE, context=PlanContext(gpu_wait_s=0.0))
+    assert (idle.host, idle.ssd, idle.use_tokens) == (LoadAction.LOAD, LoadAction.RECOMPUTE, 4096)
+    assert idle.ttft_s < READ_S and idle.ttft_s < idle.recompute_ttft_s  # never slower than no cache
+    busy = p.plan(**SSD_CASE, context=PlanContext(gpu_wait_s=2.0))  # the read hides behind 2 s of GPU work
+    assert (busy.host, busy.ssd, busy.use_tokens) == (LoadAction.LOAD, LoadAction.PREFETCH, 14_336)
+    assert busy.ready_s == pytest.approx(READ_S) and busy.ttft_s == pytest.approx(2.0 + busy.gpu_s)
+    assert busy.fallback_use_tokens == 4096 and busy.fallback_gpu_s == pytest.approx(idle.gpu_s)
+    # the SSD's backlog and its sharing with write-back count: behind 2 s of reads the read is exposed again
+    late = p.plan(**SSD_CASE, context=PlanContext(gpu_wait_s=2.0, ssd_wait_s=2.0, ssd_read_share=0.5))
+    assert late.ssd is LoadAction.RECOMPUTE and late.ready_s == 0.0
+    assert p.stats["plans"] == 3 and p.stats["plan_prefetch"] == 1 and p.stats["plan_recompute_ssd"] == 2
+
+
+def test_decisions_are_counted_in_metrics():
+    from prometheus_client import REGISTRY
+
+    def sample(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = (sample("kvtier_load_plan_decisions_total", tier="ssd", action="recompute"),
+              sample("kvtier_load_plan_decisions_total", tier="ssd", action="prefetch"),
+              sample("kvtier_load_plan_decisions_total", tier="host", action="load"),
+              sample("kvtier_load_plan_recomputed_tokens_total", tier="ssd"))
+    p = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0))
+    p.plan(**SSD_CASE)  # idle: recompute the SSD part, load the host part
+    p.plan(**SSD_CASE, context=PlanContext(gpu_wait_s=3.0))  # prefetch
+    after = (sample("kvtier_load_plan_decisions_total", tier="ssd", action="recompute"),
+             sample("kvtier_load_plan_decisions_total", tier="ssd", action="prefetch"),
+             sample("kvtier_load_plan_decisions_total", tier="host", action="load"),
+             sample("kvtier_load_plan_recomputed_tokens_total", tier="ssd"))
+    assert [a - b for a, b in zip(after, before)] == [1, 1, 2, 14_336 - 4096]
+
+
+def test_gpu_weight_committed_reads_and_the_switch():
+    ctx = PlanContext(gpu_wait_s=0.5)  # the read is exposed by ~0.39 s; recomputing costs ~0.35 GPU-s more
+    own = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0))
+    assert own.plan(**SSD_CASE, context=ctx).ssd is LoadAction.RECOMPUTE
+    heavy = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=3.0)).plan(**SSD_CASE, context=ctx)
+    assert heavy.ssd is LoadAction.PREFETCH  # GPU seconds also delay the requests queued behind it
+    assert LoadPlanner().plan(**SSD_CASE).ssd is LoadAction.PREFETCH  # the default: only an idle GPU recomputes
+    assert own.plan(**SSD_CASE, ssd_committed=True).ssd is LoadAction.PREFETCH  # its read is issued
+    off = LoadPlanner(LoadPlanConfig(load_or_recompute=False)).plan(**SSD_CASE)
+    assert off.ssd is LoadAction.PREFETCH and off.use_tokens == 14_336
+    # a per-candidate wait (HRRN: a short job goes sooner) is asked with each candidate's GPU seconds
+    asked: list[float] = []
+    own.plan(**SSD_CASE, context=PlanContext(gpu_wait_fn=lambda s: asked.append(s) or 0.0))
+    assert len(asked) == 3 and asked == sorted(asked, reverse=True)
+
+
+def test_host_part_is_recomputed_only_when_loading_it_is_slower():
+    case = dict(prompt_tokens=8192, gpu_tokens=0, host_end=6144, hit_end=6144, ssd_tokens=0, ssd_bytes=0)
+    assert LoadPlanner().plan(**case).host is LoadAction.LOAD
+    slow = LoadPlanner(LoadPlanConfig(cost=dataclasses.replace(COST, host_load_bytes_per_s=1e8),
+                                      recompute_gpu_weight=0.0))
+    plan = slow.plan(**case)  # 0.8 GB over 0.1 GB/s = 8 s
+    assert (plan.host, plan.ssd, plan.use_tokens) == (LoadAction.RECOMPUTE, LoadAction.NONE, 0)
+    nothing = LoadPlanner().plan(prompt_tokens=100, gpu_tokens=0, host_end=0, hit_end=0, ssd_tokens=0, ssd_bytes=0)
+    assert (nothing.host, nothing.ssd, nothing.use_tokens) == (LoadAction.NONE, LoadAction.NONE, 0)
+
+
+def test_calibration_moves_the_estimates():
+    p = LoadPlanner(LoadPlanConfig(calibration_weight=0.5))
+    p.observe_ssd_read(int(0.5e9), 1.0)  # the device really reads 0.5 GB/s
+    assert p.cost.ssd_read_bytes_per_s == pytest.approx(1.0e9)
+    base = COST.prefill_s(4000, 1000)
+    p.observe_prefill(4000, 1000, 3 * base)  # prefill 3x slower than modelled
+    assert p.cost.prefill_s(4000, 1000) == pytest.approx(2 * base)
+    fixed = LoadPlanner(LoadPlanConfig(calibrate=False))
+    fixed.observe_ssd_read(int(0.5e9), 1.0)
+    assert fixed.cost.ssd_read_bytes_per_s == 1.5e9
+    # a slower SSD changes the decision: the same wait no longer hides the read
+    ctx = PlanContext(gpu_wait_s=1.2)
+    assert LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0)).plan(**SSD_CASE, context=ctx).ssd is \
+        LoadAction.PREFETCH
+    slow = LoadPlanner(LoadPlanConfig(calibration_weight=1.0, recompute_gpu_weight=0.0))
+    slow.observe_ssd_read(int(0.5e9), 1.0)
+    assert slow.plan(**SSD_CASE, context=ctx).ssd is LoadAction.RECOMPUTE
+
+
+def test_scheduler_keys_are_parsed_and_errors_name_the_key():
+    cfg = DualQueueConfig.from_keys({"ready_order": "hrrn", "ssd_read_gbps": 3.0, "prefill_us_per_token": 50,
+                                     "recompute_gpu_weight": 2, "starvation_multiple": 6, "delay_hit": False},
+                                    gpu_capacity=100, kv_bytes_per_token=2048)
+    assert cfg.ready_order == "hrrn" and cfg.gpu_capacity == 100 and not cfg.delay_hit
+    assert cfg.load_plan.cost.ssd_read_bytes_per_s == 3e9
+    assert cfg.load_plan.cost.prefill_s_per_token == pytest.approx(5e-5)
+    assert cfg.load_plan.cost.kv_bytes_per_token == 2048 and cfg.load_plan.recompute_gpu_weight == 2.0
+    assert DualQueueConfig.from_keys({"kv_bytes_per_token": 64}, kv_bytes_per_token=2048).load_plan.cost \
+        .kv_bytes_per_token == 64
+    for bad, key in (({"ssd_read_gbs": 1.0}, "ssd_read_gbs"), ({"ssd_read_gbps": -1}, "ssd_read_gbps"),
+                     ({"ready_order": "lifo"}, "ready_order"), ({"load_or_recompute": "yes"}, "load_or_recompute"),
+                     ({"delay_hit_threshold_tokens": 0}, "delay_hit_threshold_tokens"),
+                     ({"calibration_weight": 2}, "calibration_weight"), ({"kv_bytes_per_token": 1.5}, "kv_bytes")):
+        with pytest.raises(ValueError, match=f"kvtier.scheduler.*{key}"):
+            DualQueueConfig.from_keys(bad)
+    assert "ready_order" in SCHEDULER_KEYS and "recompute_gpu_weight" in SCHEDULER_KEYS
+
+
+# --- hint derivation -----------------------------------------------------------------------------------------------
+
+
+def test_walk_prefix_follows_the_workers_rules():
+    # host, host, ssd, host, ssd, missing, host: the walk stops at the first chunk resident nowhere
+    chunks = [("host", 256, 0), ("host", 256, 0), ("ssd", 256, 9), ("host", 256, 0), ("ssd", 256, 9), (None, 256, 0),
+              ("host", 256, 0)]
+    assert walk_prefix(chunks) == Residency(host_end=512, hit_end=1280, ssd_tokens=512, ssd_bytes=18)
+    assert walk_prefix([]) == Residency()
+    owners = [("a", 256), ("a", 256), (None, 256), ("b", 256)]
+    assert count_inflight(owners, "me") == 512 and count_inflight(owners, "a") == 0
+    assert count_inflight([("b", 10), ("a", 10)], "a") == 10
+
+
+def test_derive_tier_hint_without_and_with_a_plan():
+    res = Residency(host_end=4096, hit_end=14_336, ssd_tokens=10_240, ssd_bytes=10_240 * KV)
+    h = derive_tier_hint("r", 5.0, gpu_tokens=512, residency=res, prompt_tokens=16_384)
+    assert (h.state, h.gpu_tokens, h.host_tokens, h.ssd_tokens, h.plan) == (TierState.PREPARING, 512, 3584, 10_240,
+                                                                              None)
+    assert derive_tier_hint("r", 5.0, gpu_tokens=512, residency=res, prefetch="inflight").state is TierState.LOADING
+    done = derive_tier_hint("r", 5.0, gpu_tokens=512, residency=res, prefetch=PrefetchPhase.DONE)
+    assert (done.state, done.host_tokens, done.ssd_tokens) == (TierState.READY, 3584, 0)
+    miss = derive_tier_hint("r", 5.0, gpu_tokens=0, residency=Residency(), inflight_tokens=512)
+    assert miss.state is TierState.MISS and miss.inflight_tokens == 512
+    # with the planner: an idle GPU recomputes the SSD part, so the request is READY with the plan attached
+    planner = LoadPlanner(LoadPlanConfig(recompute_gpu_weight=0.0))
+    idle = derive_tier_hint("r", 5.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=planner,
+                            context=PlanContext(gpu_wait_s=0.0))
+    assert idle.state is TierState.READY and idle.plan.ssd is LoadAction.RECOMPUTE and idle.use_tokens == 4096
+    assert idle.ssd_tokens == 10_240 and idle.uncached_tokens == 16_384 - 4096  # residency is still reported
+    busy = derive_tier_hint("r", 5.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=planner,
+                            context=PlanContext(gpu_wait_s=3.0))
+    assert busy.state is TierState.PREPARING and busy.plan.ssd is LoadAction.PREFETCH and busy.use_tokens == 14_336
+    issued = derive_tier_hint("r", 5.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=planner,
+                              prefetch="inflight")
+    assert issued.state is TierState.LOADING and issued.plan.ssd is LoadAction.PREFETCH  # a read in flight is kept
+
+
+def test_idle_gpu_replan_promotes_the_request_that_gains_most():
+    planner = LoadPlanner()
+    p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9))
+    res = Residency(host_end=4096, hit_end=14_336, ssd_tokens=10_240, ssd_bytes=10_240 * KV)
+    for rid, arr in (("s1", 1.0), ("s2", 2.0)):
+        h = derive_tier_hint(rid, arr, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=planner,
+                             context=PlanContext(gpu_wait_s=3.0))
+        p.add(h, 100)
+    assert p.pick(3.0) is None
+    assert p.replan_idle(lambda h: 0.01) is None  # a read this short beats recomputing: keep waiting
+    assert p.replan_idle(lambda h: READ_S, free_gpu=50) is None  # neither fits the free memory
+    rid = p.replan_idle(lambda h: READ_S * (2 if h.request_id == "s2" else 1))
+    assert rid == "s2" and p.hint("s2").state is TierState.READY and p.hint("s2").plan.ssd is LoadAction.RECOMPUTE
+    assert p.pick(3.0) == "s2" and p.preparing_ids() == ["s1"]
+    assert p.planner.stats["replan_recompute_ssd"] == 1
+
+
+# --- HRRN ready order ----------------------------------------------------------------------------------------------
+
+
+def ready(rid: str, arrival: float, uncached: int, inflight: int = 0) -> TierHint:
+    return TierHint(rid, host_tokens=512, state=TierState.READY, arrival=arrival, prompt_tokens=512 + uncached,
+                    inflight_tokens=inflight)
+
+
+def test_hrrn_ready_order_by_uncached_service_with_the_starvation_bound():
+    p = DualQueuePolicy(DualQueueConfig(ready_order="hrrn", starvation_multiple=1.0, starvation_floor_s=20.0))
+    p.add(ready("long", 0.0, 16_000), 10)
+    p.add(ready("short", 1.0, 500), 10)
+    p.add(ready("mid", 2.0, 4000), 10)
+    p.add(ready("burst-long", 3.0, 8000), 10)
+    p.add(ready("burst-short", 3.0, 1000), 10)
+    now = 3.0
+    expect = sorted(p.ids(), key=lambda r: -(now + 1e-3 - p.hint(r).arrival) / p.service_s(p.hint(r)))
+    assert p.order(now) == expect and expect[0] == "short" and expect.index("long") < expect.index("burst-long")
+    assert expect.index("burst-short") < expect.index("burst-long")  # equal waits: the shorter first
+    assert p.pick(now) == "short"
+    arrival = DualQueuePolicy(DualQueueConfig(starvation_floor_s=20.0))
+    for rid in p.ids():
+        arrival.add(p.hint(rid), 10)
+    assert arrival.pick(now) == "long"  # Bidaw's FCFS by arrival
+    # memory: an admissible one is counted against free memory, one that does not fit goes later, not first
+    p.update(ready("short", 1.0, 500), gpu_need=1000)
+    others = [r for r in expect if r != "short"]
+    assert p.order(now, free_gpu=25) == others[:2] + [r for r in expect if r not in others[:2]]  # 10 + 10 fit
+    assert p.pick(now, free_gpu=25) == expect[1] and p.stats["skipped_oversized"] >= 1
+    # delay hit: a deferred request is passed over whatever its ratio
+    p.update(ready("short", 1.0, 500, inflight=4096), gpu_need=10)
+    assert p.pick(now) == expect[1] and "short" in p.order(now)[-2:]
+    # the starvation bound: once 'long' waited 20 s it goes first (by arrival), then HRRN again
+    assert p.pick(20.5) == "long" and p.order(20.5)[0] == "long"
+    p.dispatched("long", 20.5)
+    assert p.pick(20.5) != "long"
