@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvtier.compat import lmcache_retrieve_pins
 from kvtier.connector import metrics as M
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.messages import FinishedSpec, KVTierConnectorMetadata, LookupResult, PrefetchResult
@@ -79,6 +80,7 @@ class WorkerSide:
         self.stats = M.KVTierConnectorStats()
         self._lock = threading.RLock()
         self._pins: dict[str, dict[Any, None]] = {}
+        self._retrieve_pins = lmcache_retrieve_pins.for_installed()
         self._prefetch_done: dict[str, PrefetchResult] = {}
         self._prefetching: set[str] = set()
         self._cancelled: set[str] = set()
@@ -335,10 +337,11 @@ class WorkerSide:
         for spec in md.loads:
             t0 = time.monotonic()
             n = spec.load_end
+            ret = None
+            skip = spec.gpu_cached // self.cfg.chunk_size * self.cfg.chunk_size
             try:
                 tokens = torch.tensor(spec.token_ids[:n], dtype=torch.long)
                 mask = torch.ones(n, dtype=torch.bool)
-                skip = spec.gpu_cached // self.cfg.chunk_size * self.cfg.chunk_size
                 mask[:skip] = False
                 ret = self.engine.retrieve(tokens, mask, kvcaches=self.kv_list,
                                            slot_mapping=slot_mapping(spec.block_ids, self.block_size, n),
@@ -348,6 +351,8 @@ class WorkerSide:
             except Exception:
                 logger.exception("kvtier: load for %s failed; its blocks will be recomputed", spec.req_id)
                 bad_from = spec.gpu_cached
+            if ret is not None and self._retrieve_pins.consumes_pins:
+                self._forget_consumed_pins(spec.req_id, spec.token_ids[:n], ret, skip)
             if bad_from is not None:
                 blocks = spec.block_ids[bad_from // self.block_size:-(-n // self.block_size)]
                 self._load_errors.update(blocks)
@@ -361,6 +366,19 @@ class WorkerSide:
             M.LOAD_BYTES.inc(max(loaded, 0) * self._token_bytes())
             self.stats.add(loads=1, loaded_tokens=max(loaded, 0), load_seconds=dt)
             self.release(spec.req_id)
+
+    def _forget_consumed_pins(self, rid: str, tokens: list[int], ret: torch.Tensor, skip: int) -> None:
+        """LMCache <= 0.5.5 released one pin of each chunk its retrieve returned (`kvtier.compat.
+        lmcache_retrieve_pins`): those are no longer this request's to release."""
+        try:
+            retrieved = [k for start, end, k in self._chunks(tokens) if start >= skip and bool(ret[start:end].all())]
+        except Exception:  # then they are released twice: LMCache logs it and clamps the count at 0
+            logger.exception("kvtier: cannot tell which chunks the retrieve of %s unpinned", rid)
+            return
+        with self._lock:
+            pins = self._pins.get(rid)
+            if pins:
+                self._pins[rid] = dict.fromkeys(self._retrieve_pins.still_pinned(pins, retrieved))
 
     def _token_bytes(self) -> int:
         t = self.kv_list[0]

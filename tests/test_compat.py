@@ -40,7 +40,7 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "torch_dtype": "float32"}
 
 
-def vllm_config_from_shipped_json(tmp_path, monkeypatch):
+def vllm_config_from_shipped_json(tmp_path, monkeypatch, **connector_options):
     """A VllmConfig whose kv-transfer config is configs/vllm-kv-transfer.json as shipped, plus an inline SSD path
     (the documented override); LMCache's own sizes come from LMCACHE_* variables, as LMCache reads them."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -53,6 +53,8 @@ def vllm_config_from_shipped_json(tmp_path, monkeypatch):
     shipped = json.loads(open(os.path.join(REPO, "configs", "vllm-kv-transfer.json")).read())
     shipped["kv_connector_extra_config"].update({"kvtier.ssd_path": str(tmp_path / "ssd"),
                                                  "kvtier.ssd_capacity_gb": 0.05, "kvtier.o_direct": False})
+    if connector_options:
+        shipped["kv_connector_extra_config"]["kvtier.connector"] = connector_options
     shipped["engine_id"] = f"kvtier-compat-{uuid.uuid4().hex[:8]}"
     sched_kw = dict(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=256, is_encoder_decoder=False,
                     disable_hybrid_kv_cache_manager=True)
@@ -119,6 +121,12 @@ def make_request(rid: str, tokens: list[int]):
     return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None)
 
 
+def host_pin_counts(worker, tokens: list[int]) -> list[int]:
+    """Pin counts of the host-tier objects of the full chunks of `tokens`."""
+    ws = worker.conn.worker_side
+    return [ws.host.hot_cache[key].metadata.pin_count for s, e, key in ws._chunks(tokens) if e - s == CHUNK]
+
+
 class Worker:
     """The worker role of the connector over real KV tensors, stepped the way vLLM's model runner steps it."""
 
@@ -178,7 +186,8 @@ def test_connector_from_shipped_config_moves_kv_through_host_and_ssd_tiers(tmp_p
     from kvtier.compat.vllm_hit_sources import hit_source_labels
     from kvtier.connector.messages import KVTierConnectorMetadata
 
-    vllm_config = vllm_config_from_shipped_json(tmp_path, monkeypatch)
+    # the prefetch sleeps first, so the request surely meets the scheduler while its chunks are still on SSD
+    vllm_config = vllm_config_from_shipped_json(tmp_path, monkeypatch, debug_prefetch_delay_s=0.5)
     backend = platform_backend()
     layout = declared_layouts(backend_class(backend))[0]
     kv_cache_config = kv_cache_config_for(vllm_config, layout)
@@ -205,18 +214,23 @@ def test_connector_from_shipped_config_moves_kv_through_host_and_ssd_tiers(tmp_p
         sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
         worker.zero()
 
-        # host tier: b continues a's prompt and loads a's 96 tokens instead of computing them
+        # host tier: b and b2 continue a's prompt and load a's 96 tokens instead of computing them; each holds a
+        # pin on a's chunks from its lookup until its own load is done
         sched.add_request(make_request("b", prompt + [5] * 20))
+        sched.add_request(make_request("b2", prompt + [6] * 20))
         out = sched.schedule()
-        assert out.num_scheduled_tokens["b"] == 20
+        assert out.num_scheduled_tokens == {"b": 20, "b2": 20}
         md = out.kv_connector_metadata
-        assert [(s.req_id, s.gpu_cached, s.load_end) for s in md.loads] == [("b", 0, 96)]
-        blocks_b = list(out.scheduled_new_reqs[0].block_ids[0])
-        worker.step(md)
-        assert worker.conn.get_block_ids_with_load_errors() == set()
-        got = worker.tokens_kv(blocks_b, 96)
-        assert torch.equal(got.view(torch.int32), kv_a.view(torch.int32))
-        sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        assert sorted((s.req_id, s.gpu_cached, s.load_end) for s in md.loads) == [("b", 0, 96), ("b2", 0, 96)]
+        assert host_pin_counts(worker, prompt) == [2, 2, 2]
+        blocks = {r.req_id: list(r.block_ids[0]) for r in out.scheduled_new_reqs}
+        for rid, left in (("b", 1), ("b2", 0)):  # one load at a time: the other request's pins stay
+            worker.step(KVTierConnectorMetadata(loads=[x for x in md.loads if x.req_id == rid]))
+            assert host_pin_counts(worker, prompt) == [left] * 3, rid
+            assert worker.conn.get_block_ids_with_load_errors() == set()
+            got = worker.tokens_kv(blocks[rid], 96)
+            assert torch.equal(got.view(torch.int32), kv_a.view(torch.int32)), rid
+        sched.finish_requests(["b", "b2"], RequestStatus.FINISHED_ABORTED)
 
         # SSD tier: with the host tier cleared, c waits (no blocks) while its chunks are prefetched, then loads
         worker.conn.worker_side.host.clear()
