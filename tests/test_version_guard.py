@@ -176,3 +176,13 @@ def test_needs_marker_features_follow_the_installed_stack(monkeypatch):
     assert features.missing("vllm_cpu_engine") is None
     with pytest.raises(ValueError, match="unknown feature 'lmcache-mp'"):
         features.missing("lmcache-mp")
+
+
+def test_candidate_rows_are_untested_until_proven(monkeypatch):
+    cand = matrix.Combination("cuda", "0.34.0", MAIN.lmcache, status="candidate")
+    rows = matrix.load() + (cand,)
+    monkeypatch.setattr(matrix, "load", lambda path=None: rows)
+    fake(monkeypatch, "cuda", "0.34.0", MAIN.lmcache)
+    r = guard.check(guard.COMPONENT_CONNECTOR)
+    assert r.verdict is Verdict.UNTESTED and r.nearest.tested and r.nearest.build == "cuda"
+    assert cand in matrix.selection("full") and cand not in matrix.selection("default")

@@ -112,12 +112,12 @@ def render(results: dict, combos) -> str:
             lines.append(f"| {c.label} | broken: {c.reason} | not run | " + " | ".join("" for _ in labels) + " |")
             continue
         if r is None:
-            lines.append(f"| {c.label} | tested | {runs} | " + " | ".join("not run yet" if i == 0 else ""
+            lines.append(f"| {c.label} | {c.status} | {runs} | " + " | ".join("not run yet" if i == 0 else ""
                                                                      for i, _ in enumerate(labels)) + " |")
             continue
         cells = [_cell(r["checks"].get(name)) for name in labels]
         failed = sum(x["failed"] for x in r["checks"].values())
-        status = "tested, passing" if not failed else f"tested, {failed} FAILING"
+        status = f"{c.status}, passing" if not failed else f"{c.status}, {failed} FAILING"
         lines.append(f"| {c.label} | {status} | {runs} | " + " | ".join(cells) + " |")
         for name in labels:
             for why in r["checks"].get(name, {}).get("reasons", []):
