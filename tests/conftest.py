@@ -1,7 +1,14 @@
-"""Shared fixtures: SSD-tier configs in temporary directories, and LMCache YAMLs derived from the shipped one."""
+"""Shared fixtures: SSD-tier configs in temporary directories, and LMCache YAMLs derived from the shipped one.
+
+Also the compatibility matrix's hooks: `@pytest.mark.needs("feature", ...)` skips a test (with the reason) where
+the installed stack lacks a feature (`kvtier.compat.features`), and with `KVTIER_COMPAT_REPORT=FILE` every test's
+outcome, `compat`/`needs` markers and skip reason go to FILE (JSON) for the compatibility table
+(`tools/compat_table.py`).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -48,10 +55,51 @@ def lmcache_yaml(tmp_path):
     return make
 
 
-
 @pytest.fixture
 def ssd():
     """Helpers for SSD-tier tests (`kvtier.tools.ssd_testing`)."""
     from kvtier.tools import ssd_testing
 
     return ssd_testing
+
+
+def pytest_runtest_setup(item):
+    from kvtier.compat import features
+
+    for mark in item.iter_markers("needs"):
+        for name in mark.args:
+            why = features.missing(name)
+            if why is not None:
+                pytest.skip(f"needs {name}: {why}")
+
+
+_outcomes: dict[str, dict] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if not os.environ.get("KVTIER_COMPAT_REPORT"):
+        return
+    rep = outcome.get_result()
+    rec = _outcomes.setdefault(item.nodeid, {
+        "nodeid": item.nodeid, "outcome": "passed", "compat": item.get_closest_marker("compat") is not None,
+        "needs": sorted({n for m in item.iter_markers("needs") for n in m.args}),
+        "doc": ((getattr(item.function, "__doc__", None) or "").strip().splitlines() or [""])[0]})
+    if rep.skipped:
+        rec["outcome"] = "skipped"
+        rec["reason"] = str(rep.longrepr[2]) if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    elif rep.failed:
+        rec["outcome"] = "failed" if rep.when == "call" else "error"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("KVTIER_COMPAT_REPORT")
+    if not path:
+        return
+    from kvtier.compat.guard import installed_versions
+
+    v = installed_versions()
+    with open(path, "w") as f:
+        json.dump({"installed": {"build": v.build, "vllm": v.vllm, "lmcache": v.lmcache},
+                   "tests": list(_outcomes.values())}, f, indent=1)

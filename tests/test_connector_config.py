@@ -65,16 +65,21 @@ def test_unwritable_ssd_path_and_missing_plugin_are_start_errors(lmcache_yaml, t
         C.load_connector_config({"config_file": str(plain)}, 16)
 
 
-def test_unsupported_versions_name_the_supported_ones(monkeypatch):
-    import vllm
+def test_connector_start_runs_the_version_guard(monkeypatch):
+    """check_versions (called in the connector's constructor, both roles) is the guard: a known-broken
+    combination stops the engine with the reason, an untested one in strict mode too."""
+    from kvtier.compat import guard, matrix
 
-    assert C.check_versions()[1] == "0.5.6"
-    monkeypatch.setattr(vllm, "__version__", "0.31.9")
-    with pytest.raises(C.UnsupportedVersion, match="0.32.0 and 0.33.0"):
+    v = guard.installed_versions()
+    assert C.check_versions() == (v.vllm, v.lmcache)
+    rows = matrix.load() + (matrix.Combination(v.build, "0.1.0", v.lmcache, status="broken", reason="too old"),)
+    monkeypatch.setattr(matrix, "load", lambda path=None: rows)
+    monkeypatch.setattr(guard, "installed_versions", lambda: guard.InstalledVersions(v.build, "0.1.0", v.lmcache))
+    with pytest.raises(C.UnsupportedVersion, match="too old"):
         C.check_versions()
-    monkeypatch.setattr(vllm, "__version__", "0.33.0+cu130")
-    monkeypatch.setattr(C.importlib.metadata, "version", lambda name: "0.6.0")
-    with pytest.raises(C.UnsupportedVersion, match="LMCache 0.5.6"):
+    monkeypatch.setattr(guard, "installed_versions", lambda: guard.InstalledVersions(v.build, "9.9.9", v.lmcache))
+    monkeypatch.setenv("KVTIER_STRICT_VERSIONS", "1")
+    with pytest.raises(C.UnsupportedVersion, match="nearest tested combination"):
         C.check_versions()
 
 

