@@ -53,6 +53,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
+from kvtier.compat import guard
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.config import ConfigError, KVTierConfig, parse_adapter_params
 from kvtier.storage_backends.ssd_directory import (
@@ -198,6 +199,11 @@ class KVTierL2Adapter(L2AdapterInterface):
             config = KVTierL2AdapterConfig.from_dict(dict(config))
         self.kvtier_config = cfg = config.kvtier
         _show_logs()
+        try:
+            guard.check(guard.COMPONENT_MP_ADAPTER)
+        except guard.UnsupportedVersion as e:
+            logger.error("kvtier: %s", e)
+            raise ConfigError(str(e)) from None
         super().__init__(max_capacity_bytes=cfg.capacity_bytes)
         self.directory = os.path.join(cfg.ssd_path, SUBDIR)
         self._lock_fd = _claim_directory(cfg.ssd_path, self.directory, cfg.o_direct)

@@ -36,6 +36,8 @@ def env() -> dict[str, str]:
     return dict(os.environ, LMCACHE_TRACK_USAGE="false", LMCACHE_DISABLE_BANNER="1")
 
 
+@pytest.mark.compat
+@pytest.mark.needs("lmcache_mp")
 def test_lmcache_bench_l2_harness_passes(tmp_path):
     """The command of the issue, verbatim but for the path: stores, looks up, loads and verifies the bytes."""
     spec = (REPO / "configs" / "lmcache-mp-l2-kvtier.json").read_text().replace("/var/cache/kvtier",
