@@ -114,22 +114,22 @@ def store(a, keys, objs, timeout: float = 30.0):
     return done[tid]
 
 
-def _bits(bm) -> list[bool]:
-    return [bm.test(i) for i in range(len(bm))]
+def _bits(bm, n: int) -> list[bool]:
+    return [bm.test(i) for i in range(n)]  # LMCache <= 0.5.5's Bitmap has no len()
 
 
 def lookup(a, keys, layout=LAYOUT) -> list[bool]:
     tid = a.submit_lookup_and_lock_task(keys, {0: layout})
     while (bm := a.query_lookup_and_lock_result(tid)) is None:
         wait(a.get_lookup_and_lock_event_fd())
-    return _bits(bm)
+    return _bits(bm, len(keys))
 
 
 def load(a, keys, objs) -> list[bool]:
     tid = a.submit_load_task(keys, objs)
     while (bm := a.query_load_result(tid)) is None:
         wait(a.get_load_event_fd())
-    return _bits(bm)
+    return _bits(bm, len(keys))
 
 
 def same(x, y) -> bool:

@@ -184,8 +184,10 @@ def test_slow_ssd_applies_backpressure_instead_of_dropping(lmcache_yaml, monkeyp
 
     big = ModelShape("kvtier-test/wide", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     per_chunk = big.chunk_bytes(CHUNK)  # 128 KiB
+    # A generous drain timeout: on a loaded CI machine 10 s can pass without a drop being wrong; what this test
+    # checks is that a lagging SSD makes stores wait, not drop.
     cfg = load_lmcache_config(lmcache_yaml(host_gb=16 * per_chunk / (1 << 30), max_inflight_write_mb=1,
-                                           ssd_capacity_gb=0.05))
+                                           ssd_capacity_gb=0.05, backpressure_timeout_s=300))
     e = build_engine(cfg, big)
     try:
         b = kvtier_backend(e)

@@ -17,14 +17,15 @@ from kvtier.storage_backends.ssd_tier import SSDTier
 CHUNK = 256 * 1024 + 512
 
 WRITER = textwrap.dedent("""
-    import sys, numpy as np
+    import os, sys, numpy as np
     from kvtier.storage_backends.config import parse_kvtier_config
     from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
     cfg = parse_kvtier_config({"kvtier.ssd_path": sys.argv[1], "kvtier.ssd_capacity_gb": 0.02,
                                "kvtier.io_block_mb": 1})
     t = SSDTier(cfg, %d)
     def done(key):
-        return lambda ok: ok and print("committed", key, flush=True)
+        # one write(2) per line: completions come from several writer threads, print() would interleave them
+        return lambda ok: ok and os.write(1, f"committed {key}\\n".encode())
     i = 0
     while True:
         data = np.random.default_rng(i).integers(0, 256, %d, dtype=np.uint8)
