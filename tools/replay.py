@@ -125,8 +125,11 @@ def simulate(
     ssd_blocks: int | None = None,
     clock: ReplayClock | None = None,
     progress: Callable[[int], None] | None = None,
+    score_from: float | None = None,
 ) -> dict:
-    """Run the two-tier model; returns counters. `ssd=None` or `ssd_blocks=None` means an unbounded SSD."""
+    """Run the two-tier model; returns counters. `ssd=None` or `ssd_blocks=None` means an unbounded SSD.
+    `score_from`: count hits and misses only for requests arriving at or after this time (seconds); earlier
+    requests still run through the tiers (they warm the caches and the policies' online learning)."""
     clock = clock or ReplayClock()
     always = _always
     host_used = 0
@@ -138,18 +141,19 @@ def simulate(
         clock.now = r.timestamp
         chain = r.hash_ids
         host.on_request(chain, r.timestamp)
+        scored = 1 if score_from is None or r.timestamp >= score_from else 0
         for k in chain:
-            accesses += 1
+            accesses += scored
             if k in host:
-                host_hits += 1
+                host_hits += scored
                 host.on_access(k)
                 continue
             if k in ssd_set:
-                ssd_hits += 1
+                ssd_hits += scored
                 if bounded_ssd:
                     ssd.on_access(k)
             else:
-                misses += 1
+                misses += scored
                 if bounded_ssd:
                     if ssd_used + 1 > ssd_blocks:
                         for v in list(ssd.victims(ssd_used + 1 - ssd_blocks, always)):
@@ -197,6 +201,7 @@ def replay_one(
     ssd_policy: str = "lru",
     policy_kwargs: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    score_from: float | None = None,
 ) -> ReplayResult:
     """Replay `reqs` with `policy` governing the host tier (and `ssd_policy` a bounded SSD tier)."""
     clock = ReplayClock()
@@ -210,7 +215,7 @@ def replay_one(
             raise ValueError("belady cannot govern the SSD tier in a replay (its future depends on the host tier)")
         sp = build_policy(ssd_policy, clock, ssd.blocks)
     t0 = time.perf_counter()
-    c = simulate(reqs, hp, host.blocks or 0, sp, ssd.blocks if ssd else None, clock, progress)
+    c = simulate(reqs, hp, host.blocks or 0, sp, ssd.blocks if ssd else None, clock, progress, score_from)
     dt = time.perf_counter() - t0
     n = max(c["accesses"], 1)
     extra = {}
