@@ -61,6 +61,7 @@ O(classes x buckets) counters.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 import itertools
 import logging
 import math
@@ -71,7 +72,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvtier.storage_backends.eviction.base import EvictionPolicy, Key, make_policy, register_policy
-from kvtier.storage_backends.eviction.ghost_cache import GhostBelady, ReuseBuckets, key_sample
+from kvtier.storage_backends.eviction.ghost_cache import GhostBelady, ReuseBuckets, key_hash
 from kvtier.storage_backends.eviction.reuse_model import ReuseModel
 from kvtier.storage_backends.eviction.reuse_predictor import FeatureSpace, ReusePredictor
 from kvtier.storage_backends.eviction.sessions import Session, SessionTracker
@@ -104,10 +105,8 @@ FEATURES = FeatureSpace(
 
 
 def _bucket(value: float, edges: Sequence[float]) -> int:
-    for i, e in enumerate(edges):
-        if value < e:
-            return i
-    return len(edges)
+    """Index of the first edge above value (len(edges) if none)."""
+    return bisect_right(edges, value)
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ class AnswerLengthConfig:
     answer_timing: bool = True  #: ... and a reshaping of the session's reuse-time hazards (when, not whether)
     gap_timing: bool = True  #: the time between a session's two latest turns (the user's pace) reshapes them too
     timing_strength: float = 100.0  #: pseudo-items pulling a timing key's hazard ratios towards 1
-    lb_quantile: float = 0.05  #: the lower bound is this quantile of the observed return times per answer bucket
+    lb_quantile: float = 0.03  #: the lower bound is this quantile of the observed return times per answer bucket
     lb_min_samples: int = 20
     use_depth: bool = True  #: conversation depth in the session class
     use_new_blocks: bool = True  #: how many chunks the latest turn added, in the session class
@@ -134,28 +133,27 @@ class AnswerLengthConfig:
     use_reads: bool = True  #: predictor feature: a shared/orphan chunk's read count
     l2: float = 1.0  #: predictor's L2 penalty (pulls the correction towards none)
     predictor_window: int = 16384  #: labelled samples it learns from (a sliding window)
-    predictor_refit: int = 512  #: refit after this many new labels
-    max_label_delay: float = 300.0  #: an access is labelled at most this long after it happened
-    gate_margin: float = 0.002  #: the correction applies while it beats the class model by this many nats/label
-    gate_min_labels: float = 200.0  #: ... measured on at least this many (decayed) fresh labels
+    predictor_refit: int = 1024  #: refit after this many new labels
+    max_label_delay: float = 3600.0  #: an access is labelled at most this long after it happened
+    gate_margin: float = 0.005  #: the correction applies while it beats the class model by this many nats/label
+    gate_min_labels: float = 500.0  #: ... measured on at least this many (decayed) fresh labels
     gate_decay: float = 0.999  #: weight of older labels in that comparison, per label
     fallback: tuple[str, ...] = ("s3fifo",)  #: baselines the shadows compare against; () disables
     fallback_margin: float = 0.02  #: relative hit-count lead a baseline needs to take over
     shadow_sample_rate: int = 16
     shadow_window: int = 1024  #: sampled accesses per comparison round
-    ghost_sample_rate: int = 8
+    ghost_sample_rate: int = 0  #: one key in N is replayed by the ghost; 0: N = capacity / ghost_capacity (>= 1)
+    ghost_capacity: int = 160  #: the ghost's sampled capacity when the rate is automatic (SHARDS, fixed size)
     ghost_window: int = 16384
     ghost_refresh: int = 2048
-    ghost_early_runs: bool = False  #: rerun Belady every eighth of the window while it fills (labels come early)
-    ghost_carry: bool = False  #: reuse times longer than the ghost window spans keep the last hit chance (else 0)
     max_sessions: int = 100_000
     max_items: int = 200_000
     max_ghost_keys: int = 200_000
     max_ctx: int = 100_000  #: announced-but-not-inserted chunks remembered (requests that never finish)
     prior_strength: float = 8.0  #: pseudo-counts pulling a class's hazards towards its family's
-    refresh_requests: int = 32  #: recompute the tables every N requests
+    refresh_requests: int = 64  #: recompute the tables (and re-score every unit) every N requests
     bucket_first_s: float = 2.0
-    bucket_ratio: float = 1.35
+    bucket_ratio: float = 1.5
     horizon_s: float = 3600.0
 
 
@@ -174,7 +172,7 @@ class KeyUnit:
     """A chunk evicted on its own (tail, shared, orphan)."""
 
     __slots__ = ("key", "size", "kind", "last_time", "item", "count", "cls", "seq", "owner", "lb", "x", "ver",
-                 "filed")
+                 "filed", "entry", "until", "epoch")
 
     def __init__(self, key: Key, size: int, kind: int, now: float, owner: Session | None = None) -> None:
         self.key = key
@@ -190,6 +188,9 @@ class KeyUnit:
         self.x: tuple | None = None
         self.ver = 0
         self.filed = False
+        self.entry = None
+        self.until = 0.0
+        self.epoch = -1
 
 
 class _Shadow:
@@ -249,6 +250,11 @@ class AnswerLengthPolicy(EvictionPolicy):
         self.capacity = capacity
         self.buckets = ReuseBuckets.geometric(cfg.bucket_first_s, cfg.horizon_s, cfg.bucket_ratio)
         self._edges = self.buckets.edges
+        self._lower = [self.buckets.lower(k) for k in range(len(self._edges))]
+        self._use_elapsed = cfg.use_elapsed
+        self._use_ghost = cfg.use_ghost
+        self._ghost_rate_fixed = cfg.ghost_sample_rate > 0
+        self._n_edges = len(self._edges) if cfg.use_elapsed else 0  # no crossings without elapsed time
         nd = len(DEPTH_EDGES) + 1 if cfg.use_depth else 1
         nz = len(NEW_EDGES) + 1 if cfg.use_new_blocks else 1
         self._nd, self._nz = nd, nz
@@ -271,22 +277,22 @@ class AnswerLengthPolicy(EvictionPolicy):
             l2=cfg.l2,
         )
         self.ghost = GhostBelady(
-            self.buckets, cfg.ghost_sample_rate, cfg.ghost_window, cfg.ghost_refresh,
-            label_sink=self._on_label if cfg.use_predictor else None, early_runs=cfg.ghost_early_runs,
+            self.buckets, cfg.ghost_sample_rate or 8, cfg.ghost_window, cfg.ghost_refresh,
+            label_sink=self._on_label if cfg.use_predictor else None,
         )
         self.ghost.max_label_horizon = cfg.max_label_delay
-        self.ghost.carry_beyond_span = cfg.ghost_carry
         self.sessions = SessionTracker(cfg.max_sessions)
         self._keys: dict[Key, Session | KeyUnit] = {}  # resident key -> its unit
         self._heap: list = []  # (score, last_time, seq, unit, ver)
         self._cross: list = []  # (time of the unit's next bucket crossing, seq, unit, ver)
         self._seq = itertools.count()
         self._units: dict[int, Session | KeyUnit] = {}  # units with resident chunks (filed in the heap), by id
+        self._epoch = 0  # bumped by every table refresh (scores computed before are stale)
         self._ctx: dict[Key, tuple[Session, bool]] = {}  # in-flight chain key -> (session, is tail)
         self._ghost_items: OrderedDict[Key, tuple] = OrderedDict()  # evicted chunk -> (item, kind, count)
         self._limbo: dict[Key, tuple[Session | KeyUnit, int]] = {}  # yielded by victims(), not removed yet
-        self._hits: list[list[float]] = []  # per table row and elapsed bucket: expected hits from there on
-        self._occ: list[list[float]] | None = None  # ... and expected occupancy (density score only)
+        self._hits = np.zeros((0, 0))  # per table row and elapsed bucket: expected hits from there on
+        self._occ: np.ndarray | None = None  # ... and expected occupancy (density score only)
         self._h: list[float] = []
         # answer bucket -> histogram of observed next-turn reuse-time buckets; -> lower-bound bucket
         self._lb_hist = [[0] * (len(self.buckets) + 1) for _ in range(len(ANSWER_EDGES) + 1)]
@@ -306,6 +312,7 @@ class AnswerLengthPolicy(EvictionPolicy):
         self._shadows: dict[str, _Shadow] = {}
         self._shadow_n = 0
         self._shadow_rate = 0
+        self._sub_of: tuple | None = None
         self._switches = 0
         if cfg.fallback:
             for fb in cfg.fallback:
@@ -313,16 +320,20 @@ class AnswerLengthPolicy(EvictionPolicy):
                 self._shadows[fb] = _Shadow(make_policy(fb, clock=clock))
             scale = cfg.shadow_sample_rate
             own_cfg = replace(
-                cfg, fallback=(), ghost_sample_rate=max(1, cfg.ghost_sample_rate // scale),
+                cfg, fallback=(), use_predictor=False, ghost_sample_rate=max(1, (cfg.ghost_sample_rate or 8) // scale),
                 ghost_window=max(1024, cfg.ghost_window * cfg.ghost_sample_rate // scale),
                 ghost_refresh=max(256, cfg.ghost_refresh * cfg.ghost_sample_rate // scale),
             )
             self._shadows[self.name] = _Shadow(AnswerLengthPolicy(clock=clock, config=own_cfg))
+        self._fallback_list = list(self._fallbacks.values())
+        self._ghost_rate = 0  # fixed by _fix_rates() at the first request or chunk
 
     def set_capacity(self, capacity: int) -> None:
         super().set_capacity(capacity)
         for fb in self._fallbacks.values():  # the real fallback instances size their queues from it
             fb.set_capacity(capacity)
+        if not self._ghost_rate:
+            self._fix_rates()
 
     # ------------------------------------------------------------------ classes and tables
     def _hist_class(self, depth: int, new_blocks: int = 0) -> int:
@@ -366,10 +377,10 @@ class AnswerLengthPolicy(EvictionPolicy):
             timed = np.minimum(1.0, rows[: self.C_TAIL, None, :] * ratios[None, :, :])
             rows = np.vstack([rows, timed.reshape(-1, rows.shape[1])])  # row n_base + cls * n_timing + t
         self._h = self.ghost.hit_prob if cfg.use_ghost else [1.0] * len(self.buckets)
-        hits, occ = self.reuse.tables(self._h, rows)
-        self._hits = hits.tolist()
-        self._occ = occ.tolist() if cfg.score == "density" else None
+        self._hits, occ = self.reuse.tables(self._h, rows)
+        self._occ = occ if cfg.score == "density" else None
         self._since_refresh = 0
+        self._epoch += 1
         if self._units:  # every score may have moved: rebuild both heaps from fresh scores
             self._heap, self._cross = [], []
             now = self.now()
@@ -425,7 +436,7 @@ class AnswerLengthPolicy(EvictionPolicy):
         return (1, 1, 3, 5, 9, 17)[value]  # smallest read count of a "reads" feature value
 
     def _offset_of(self, x: tuple[int, ...]) -> float:
-        return _logit(self._hits[self._row_of(x)][0])
+        return _logit(self._hits.item(self._row_of(x), 0))
 
     def _on_label(self, ctx: tuple, label: bool, gap: float | None) -> None:
         """The ghost labelled a sampled past access: score the predictor on it (before it learns from it:
@@ -433,9 +444,11 @@ class AnswerLengthPolicy(EvictionPolicy):
         turn, kind, reads = ctx
         x = self._features(turn, kind, reads)
         if self.predictor.fits:
-            off = self._offset_of(x)
-            full = off + self.predictor.shift(x)
-            gain = _log_loss(off, label) - _log_loss(full, label)  # > 0: the correction predicted better
+            # the intercept absorbs how the labels' horizon differs from the class model's; what counts is
+            # whether the features' corrections predict better than the recalibrated class model alone
+            base = self._offset_of(x) + self.predictor.bias
+            full = base + self.predictor.shift(x) - self.predictor.bias
+            gain = _log_loss(base, label) - _log_loss(full, label)  # > 0: the corrections predicted better
             d = self.cfg.gate_decay
             self._gate_gain = d * self._gate_gain + gain
             self._gate_n = d * self._gate_n + 1.0
@@ -454,55 +467,75 @@ class AnswerLengthPolicy(EvictionPolicy):
         """The predictor's odds ratio for a unit with features x (1: no correction)."""
         if x is None:
             return 1.0
-        return math.exp(max(-20.0, min(20.0, self.predictor.shift(x))))
+        return math.exp(max(-20.0, min(20.0, self.predictor.shift(x) - self.predictor.bias)))
 
     # ------------------------------------------------------------------ scores
     def _rescore(self, u: Session | KeyUnit, now: float, push: bool = True) -> None:
         """Compute u's score now and (re)file it in the eviction heap; schedule its next bucket crossing
         (`push=False`: append to the heaps' lists, the caller heapifies)."""
         age = now - u.last_time
-        e = self.buckets.index(age) if self.cfg.use_elapsed else 0
+        e = bisect_right(self._edges, age) if self._use_elapsed else 0
         cls = u.cls
+        occ = self._occ
         if e < u.lb:  # the next turn cannot come before the answer-length lower bound
             e2 = u.lb
-            H = self._hits[cls][e2]
-            if self._occ is not None:
-                o = self._occ[cls][e2] + (self.buckets.lower(e2) - age) * self._h[e2]  # idle until then
+            H = self._hits.item(cls, e2)
+            if occ is not None:
+                o = occ.item(cls, e2) + (self._lower[e2] - age) * self._h[e2]  # ... and it sits idle until then
         else:
-            H = self._hits[cls][e]
-            if self._occ is not None:
-                o = self._occ[cls][e]
-        r = self._odds(u.x) if self._gate_open else 1.0
-        if r != 1.0 and H > 0.0:
+            H = self._hits.item(cls, e)
+            if occ is not None:
+                o = occ.item(cls, e)
+        if self._gate_open and H > 0.0 and u.x is not None:
+            r = self._odds(u.x)
             H = r * H / (1.0 - H + r * H)
-        if self._occ is not None:
+        if occ is not None:
             score = H / o if o > 0.0 else 0.0
         else:
             score = H
-        if isinstance(u, Session):
+        if u.__class__ is KeyUnit:
+            size = u.size
+        else:
             n = len(u.keys)
             size = u.nbytes / n if n else 1.0
-        else:
-            size = u.size
-        mean = self._used / len(self._keys) if self._keys else 1.0
-        if size > 0 and mean > 0 and size != mean:
-            score *= mean / size  # per byte
+        if size != 1 and self._keys:
+            score *= self._used / (len(self._keys) * size)  # per byte (relative to the mean chunk)
         u.ver += 1
         if not u.filed:
             u.filed = True
             self._units[id(u)] = u
-        add = heapq.heappush if push else list.append
-        add(self._heap, (score, u.last_time, next(self._seq), u, u.ver))
-        if self.cfg.use_elapsed and e < len(self._edges):
-            add(self._cross, (u.last_time + self._edges[e], next(self._seq), u, u.ver))
-        if push and (len(self._heap) > 4 * len(self._units) + 4096 or len(self._cross) > 4 * len(self._units) + 4096):
-            self._compact()
+        seq = next(self._seq)
+        entry = (score, u.last_time, seq, u, u.ver)
+        u.entry = entry
+        u.epoch = self._epoch
+        u.until = u.last_time + self._edges[e] if e < self._n_edges else math.inf
+        if push:
+            heapq.heappush(self._heap, entry)
+            if e < self._n_edges:
+                heapq.heappush(self._cross, (u.until, seq, u, u.ver))
+            if len(self._heap) > 4 * len(self._units) + 4096 or len(self._cross) > 4 * len(self._units) + 4096:
+                self._compact()
+        else:
+            self._heap.append(entry)
+            if e < self._n_edges:
+                self._cross.append((u.until, seq, u, u.ver))
 
     def _unfile(self, u: Session | KeyUnit) -> None:
+        """Out of the heap (its entries are skipped while it is not filed; `_refile` may put it back)."""
         if u.filed:
             u.filed = False
-            u.ver += 1
             del self._units[id(u)]
+
+    def _refile(self, u: Session | KeyUnit, now: float) -> None:
+        """File a unit that has resident chunks again: with its last score when nothing it depends on changed
+        since (no touch, no table refresh, no bucket crossing), else with a fresh one."""
+        entry = u.entry
+        if entry is not None and entry[4] == u.ver and u.epoch == self._epoch and now < u.until:
+            u.filed = True
+            self._units[id(u)] = u
+            heapq.heappush(self._heap, entry)
+        else:
+            self._rescore(u, now)
 
     def _compact(self) -> None:
         self._heap = [x for x in self._heap if x[3].filed and x[4] == x[3].ver]
@@ -596,7 +629,7 @@ class AnswerLengthPolicy(EvictionPolicy):
                     s.nbytes += u.size
                     keys[k] = s
                     if not s.filed:
-                        self._rescore(s, now)
+                        self._refile(s, now)
                 elif u.seq != self._req_seq:
                     self._touch_key_unit(u, now)
             elif isinstance(u, Session):
@@ -618,7 +651,11 @@ class AnswerLengthPolicy(EvictionPolicy):
             for k in list(itertools.islice(self._ctx, len(self._ctx) // 2)):
                 del self._ctx[k]
         if self._shadows:
-            self._shadows[self.name].policy.on_request(chain, now)
+            if not self._ghost_rate:
+                self._fix_rates()
+            sub = self._shadow_chain(chain)
+            if sub:
+                self._shadows[self.name].policy.on_request(sub, now)
 
     def on_request_finished(self, chain: Sequence[Key], answer_tokens: int, now: float | None = None) -> None:
         if not chain:
@@ -649,27 +686,32 @@ class AnswerLengthPolicy(EvictionPolicy):
             if s.turn is not None:
                 s.x = self._features(s.turn, HIST, 0)
             self._set_session(s, cls, now)
-        if self._shadows:
-            self._shadows[self.name].policy.on_request_finished(chain, answer_tokens, now)
+        if self._shadows and self._shadow_rate:
+            sub = self._shadow_chain(chain)
+            if sub:
+                self._shadows[self.name].policy.on_request_finished(sub, answer_tokens, now)
 
     # ------------------------------------------------------------------ tier contract
     def on_insert(self, key: Key, size: int = 1) -> None:
-        if key in self._keys:
+        keys = self._keys
+        if key in keys:
             self.on_access(key)
             return
-        now = self.now()
+        now = self._clock()
         ctx = self._ctx.pop(key, None)
-        old = self._ghost_items.pop(key, None)
+        old = self._ghost_items.pop(key, None) if self._ghost_items else None
         if old is not None:  # an evicted tail/shared/orphan chunk came back: that was a reuse
             self.reuse.returned(old[0], now)
+        self._used += size
+        if self._used > self._hwm:
+            self._hwm = self._used
         if ctx is not None and not ctx[1]:
-            s = ctx[0]
-            s.keys[key] = size
-            s.nbytes += size
-            self._keys[key] = s
-            u: Session | KeyUnit = s
-            if not s.filed and s.cls >= 0:
-                self._rescore(s, now)
+            u: Session | KeyUnit = ctx[0]
+            u.keys[key] = size
+            u.nbytes += size
+            keys[key] = u
+            if not u.filed and u.cls >= 0:
+                self._refile(u, now)
         else:
             if ctx is not None:
                 u = KeyUnit(key, size, TAIL, now, owner=ctx[0])
@@ -683,42 +725,77 @@ class AnswerLengthPolicy(EvictionPolicy):
                 cls = self.C_ORPHAN
             u.seq = self._req_seq
             u.item = self.reuse.start(cls, now)
-            self._keys[key] = u
-            self._used += size
+            keys[key] = u
             self._set_key_unit(u, cls, now)
-            self._used -= size
-        self._used += size
-        self._hwm = max(self._hwm, self._used)
-        self._observe(key, u, now)
-        for fb in self._fallbacks.values():
+        hv = key_hash(key)
+        if not self._ghost_rate:
+            self._fix_rates()
+        if hv % self._ghost_rate == 0 or (self._shadow_rate and hv % self._shadow_rate == 0):
+            self._observe(key, u, now, hv)
+        for fb in self._fallback_list:
             fb.on_insert(key, size)
 
     def on_access(self, key: Key) -> None:
         u = self._keys.get(key)
         if u is None:
             return
-        now = self.now()
-        if isinstance(u, KeyUnit) and u.seq != self._req_seq:
+        now = self._clock()
+        if u.__class__ is KeyUnit and u.seq != self._req_seq:
             self._touch_key_unit(u, now)
-        self._observe(key, u, now)
-        for fb in self._fallbacks.values():
+        hv = key_hash(key)
+        if not self._ghost_rate:
+            self._fix_rates()
+        if hv % self._ghost_rate == 0 or (self._shadow_rate and hv % self._shadow_rate == 0):
+            self._observe(key, u, now, hv)
+        for fb in self._fallback_list:
             fb.on_access(key)
 
-    def _observe(self, key: Key, u: Session | KeyUnit, now: float) -> None:
-        if self.cfg.use_ghost and self.ghost.record(key, now, self._capacity_blocks(), self._ghost_ctx(u)):
-            self._refresh()
-        if not self._shadows:
-            return
+    def _observe(self, key: Key, u: Session | KeyUnit, now: float, hv: int) -> None:
+        """A sampled access: the ghost's and/or the shadows' (`hv`: the key's sampling hash)."""
+        ghost = self.ghost
+        if self._use_ghost and hv % ghost.sample_rate == 0:
+            if ghost.record_sampled(key, now, self._capacity_blocks(), self._ghost_ctx(u)):
+                self._refresh()
         rate = self._shadow_rate
-        if rate == 0:  # fixed at first use: small tiers sample more keys so the shadows stay meaningful
-            rate = self._shadow_rate = max(1, min(self.cfg.shadow_sample_rate, self._capacity_blocks() // 128))
-        if key_sample(key, rate):
+        if rate and hv % rate == 0:
             cap = max(1, self._capacity_blocks() // rate)
             for sh in self._shadows.values():
                 sh.access(key, cap)
             self._shadow_n += 1
             if self._shadow_n >= self.cfg.shadow_window:
                 self._decide_mode()
+
+    def _fix_rates(self) -> None:
+        """Sampling rates, fixed at the first call that needs them (the capacity is known by then, if ever)."""
+        if not self._ghost_rate_fixed:
+            self._fix_ghost_rate()
+        self._ghost_rate = self.ghost.sample_rate if self._use_ghost else 1 << 62
+        if self._shadows and not self._shadow_rate:
+            self._fix_shadow_rate()
+
+    def _fix_ghost_rate(self) -> None:
+        """Automatic ghost sampling, fixed at first use: about `ghost_capacity` sampled chunks of capacity (a
+        larger tier samples fewer keys, so its window spans longer reuse times at the same cost); 8 when the
+        tier never said its capacity."""
+        self._ghost_rate_fixed = True
+        if self.capacity:
+            rate = max(1, round(self._capacity_blocks() / max(1, self.cfg.ghost_capacity)))
+            self.ghost.sample_rate = rate
+
+    def _fix_shadow_rate(self) -> int:
+        """The shadows' sampling rate, fixed at first use: small tiers sample more keys so the shadows stay
+        meaningful."""
+        self._shadow_rate = max(1, min(self.cfg.shadow_sample_rate, self._capacity_blocks() // 128))
+        return self._shadow_rate
+
+    def _shadow_chain(self, chain: Sequence[Key]) -> list:
+        """The shadows' view of a request: its sampled keys, in order (cached for the request's finish)."""
+        if self._sub_of is not None and self._sub_of[0] is chain:
+            return self._sub_of[1]
+        rate = self._shadow_rate
+        sub = [k for k in chain if key_hash(k) % rate == 0]
+        self._sub_of = (chain, sub)
+        return sub
 
     def _decide_mode(self) -> None:
         """Switch orderings when another one's shadow clearly hits more (hysteresis: the current one keeps its
@@ -738,11 +815,11 @@ class AnswerLengthPolicy(EvictionPolicy):
         u = self._keys.pop(key, None)
         if u is None:
             return
-        self._limbo.pop(key, None)
+        lim = self._limbo.pop(key, None)
         if isinstance(u, Session):
             size = u.keys.pop(key, None)
-            if size is None:
-                size = 1
+            if size is None:  # victims() already took it out of the unit
+                size = lim[1] if lim is not None else 0
             else:
                 u.nbytes -= size
             if not u.keys:
@@ -756,47 +833,51 @@ class AnswerLengthPolicy(EvictionPolicy):
             fb.on_remove(key)
 
     def victims(self, need: int, evictable: Callable[[Key], bool]) -> Iterator[Key]:
-        self._reattach_limbo()
+        if self._limbo:
+            self._reattach_limbo()
         if self.mode != self.name:
-            yield from self._fallbacks[self.mode].victims(need, evictable)
-            return
-        self._advance(self.now())
+            return self._fallbacks[self.mode].victims(need, evictable)
+        self._advance(self._clock())
         heap = self._heap
+        pop = heapq.heappop
+        limbo = self._limbo
         freed = 0
+        out = []
         skipped = []
-        try:
-            while freed < need and heap:
-                entry = heapq.heappop(heap)
-                u = entry[3]
-                if not u.filed or u.ver != entry[4]:
+        while freed < need and heap:
+            entry = heap[0]
+            u = entry[3]
+            if not u.filed or u.ver != entry[4]:
+                pop(heap)
+                continue
+            if u.__class__ is KeyUnit:
+                key = u.key
+                pop(heap)
+                if not evictable(key):
+                    skipped.append(entry)
                     continue
+                size = u.size
+                self._unfile(u)
+            else:  # a session: its deepest evictable chunk; the unit stays on top while it has chunks
                 key = None
-                if isinstance(u, Session):
-                    for k in reversed(u.keys):
-                        if evictable(k):
-                            key = k
-                            break
-                    if key is None:
-                        skipped.append(entry)
-                        continue
-                    size = u.keys.pop(key)
-                    u.nbytes -= size
-                    if u.keys:
-                        heapq.heappush(heap, entry)
-                    else:
-                        self._unfile(u)
-                else:
-                    if not evictable(u.key):
-                        skipped.append(entry)
-                        continue
-                    key, size = u.key, u.size
+                for k in reversed(u.keys):
+                    if evictable(k):
+                        key = k
+                        break
+                if key is None:
+                    skipped.append(pop(heap))
+                    continue
+                size = u.keys.pop(key)
+                u.nbytes -= size
+                if not u.keys:
+                    pop(heap)
                     self._unfile(u)
-                self._limbo[key] = (u, size)
-                freed += size
-                yield key
-        finally:
-            for entry in skipped:
-                heapq.heappush(heap, entry)
+            limbo[key] = (u, size)
+            freed += size
+            out.append(key)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return iter(out)
 
     def _reattach_limbo(self) -> None:
         """Keys a previous victims() yielded that the caller kept: back into their units."""
@@ -810,7 +891,7 @@ class AnswerLengthPolicy(EvictionPolicy):
                 unit.keys[key] = size
                 unit.nbytes += size
             if not unit.filed:
-                self._rescore(unit, now)
+                self._refile(unit, now)
         self._limbo.clear()
 
     def __len__(self) -> int:

@@ -8,8 +8,8 @@ labels at the same age, so they are not biased towards early reuses): True if th
 (which the window then shows), False if it missed it or there was none yet (the optimum hardly keeps anything that
 long at this capacity). To keep it cheap and its memory bounded,
 keys are spatially sampled (one key in `sample_rate`, by a hash of the key, as in SHARDS) and the ghost capacity
-is scaled by the same factor. Belady reruns after every `refresh` sampled accesses, or sooner while the window is
-still filling (every eighth of its length), so a cold cache gets labels early. Memory: at most `window` sampled
+is scaled by the same factor. Belady reruns after every `refresh` sampled accesses (once the window holds two
+refreshes' worth). Memory: at most `window` sampled
 accesses (key, time, context) plus the per-bucket counters.
 """
 
@@ -29,11 +29,16 @@ _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
 
+def key_hash(key: Hashable) -> int:
+    """A well-mixed 24-bit hash of the key for spatial sampling (`key_hash(k) % rate == 0`: sampled)."""
+    return ((hash(key) * _MIX) & _MASK) >> 40
+
+
 def key_sample(key: Hashable, rate: int) -> bool:
     """Deterministic spatial sampling: True for about one key in `rate`."""
     if rate <= 1:
         return True
-    return (((hash(key) * _MIX) & _MASK) >> 40) % rate == 0
+    return key_hash(key) % rate == 0
 
 
 @dataclass(frozen=True)
@@ -83,18 +88,48 @@ def belady_hits(keys: Sequence[Hashable], capacity: int) -> list[bool]:
 
 def belady_run(keys: Sequence[Hashable], capacity: int) -> tuple[list[bool], list[float]]:
     """Offline Belady over `keys` with `capacity` slots: (hit flag per access, position of each key's next access,
-    inf if none)."""
+    inf if none). Keys with no next access are evicted first (kept in a plain list, not the heap: which of them
+    goes first changes no hit)."""
     n = len(keys)
-    nxt = [math.inf] * n
+    inf = math.inf
+    nxt = [inf] * n
     last: dict[Hashable, int] = {}
     for i in range(n - 1, -1, -1):
-        nxt[i] = last.get(keys[i], math.inf)
-        last[keys[i]] = i
-    resident: dict[Hashable, float] = {}
-    heap: list[tuple[float, int, Hashable]] = []
+        k = keys[i]
+        nxt[i] = last.get(k, inf)
+        last[k] = i
     out = [False] * n
     if capacity <= 0:
         return out, nxt
+    resident: dict[Hashable, float] = {}
+    heap: list[tuple[float, int, Hashable]] = []
+    dead: list[Hashable] = []  # residents never used again (lazily invalidated)
+    push, pop = heapq.heappush, heapq.heappop
+    for i, k in enumerate(keys):
+        nu = nxt[i]
+        if k in resident:
+            out[i] = True
+        elif len(resident) >= capacity:
+            while dead:
+                v = dead.pop()
+                if resident.get(v) == inf:
+                    del resident[v]
+                    break
+            else:
+                while True:
+                    negn, _, v = pop(heap)
+                    if resident.get(v) == -negn:
+                        del resident[v]
+                        break
+        resident[k] = nu
+        if nu == inf:
+            dead.append(k)
+        else:
+            push(heap, (-nu, i, k))
+            if len(heap) > 4 * capacity + 64:
+                heap = [(-n_, j, kk) for j, (kk, n_) in enumerate(resident.items()) if n_ != inf]
+                heapq.heapify(heap)
+    return out, nxt
     for i, k in enumerate(keys):
         if k in resident:
             out[i] = True
@@ -128,7 +163,6 @@ class GhostBelady:
         smoothing: float = 0.5,
         label_sink: LabelSink | None = None,
         min_label_horizon: float = 30.0,
-        early_runs: bool = True,
     ) -> None:
         if window < 2 or refresh < 1:
             raise ValueError("ghost window must be >= 2 and refresh >= 1")
@@ -140,8 +174,6 @@ class GhostBelady:
         self.label_sink = label_sink
         self.min_label_horizon = min_label_horizon
         self.max_label_horizon = math.inf
-        self.early_runs = early_runs
-        self.carry_beyond_span = False
         self._trace: deque[list] = deque(maxlen=self.window)  # [key, time, context or None once labelled]
         self._since = 0
         self.runs = 0
@@ -161,13 +193,13 @@ class GhostBelady:
         it reran."""
         if not key_sample(key, self.sample_rate):
             return False
+        return self.record_sampled(key, now, capacity_blocks, context)
+
+    def record_sampled(self, key: Hashable, now: float, capacity_blocks: int, context: Any = None) -> bool:
+        """`record` for a key the caller already knows is sampled (`key_sample(key, sample_rate)`)."""
         self._trace.append([key, now, context])
         self._since += 1
-        if self.early_runs:
-            due = self._since >= min(self.refresh, max(64, len(self._trace) // 8))
-        else:
-            due = self._since >= self.refresh and len(self._trace) >= min(self.window, 2 * self.refresh)
-        if due:
+        if self._since >= self.refresh and len(self._trace) >= min(self.window, 2 * self.refresh):
             self._since = 0
             self.rerun(capacity_blocks)
             return True
@@ -216,7 +248,7 @@ class GhostBelady:
         for b in range(K):
             if self._reuses[b] >= 1.0:
                 cur = min(cur, self._hits[b] / self._reuses[b])
-            elif self.buckets.lower(b) > span and not self.carry_beyond_span:
+            elif self.buckets.lower(b) > span:
                 cur = 0.0  # beyond what the window can show
             out.append(cur)
         self.hit_prob = out

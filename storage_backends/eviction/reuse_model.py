@@ -31,13 +31,14 @@ logger = logging.getLogger(__name__)
 class Item:
     """One wait for a reuse."""
 
-    __slots__ = ("start", "cls", "alive", "answer", "weight", "timing")
+    __slots__ = ("start", "cls", "alive", "answer", "weight", "timing", "counted")
 
     def __init__(self, start: float, cls: int, weight: float = 1.0) -> None:
         self.start = start
         self.cls = cls
         self.weight = weight  #: how much it counts (chunks: hazards are per chunk, not per session)
         self.alive = True
+        self.counted = 0  #: buckets already counted as lived through (at risk, no reuse)
         self.answer: int | None = None  #: answer-length bucket of the turn it waits after (sessions only)
         self.timing: int | None = None  #: timing key (answer / previous-gap bucket) for the timing ratios
 
@@ -54,7 +55,9 @@ class ReuseModel:
         empty_hazard: float = 0.0,
         min_family_risk: float = 5.0,
         n_timing: int = 0,
+        granularity: float = 1.0,
     ) -> None:
+        self.granularity = granularity  #: seconds between two counting passes over the waiting items
         self.empty_hazard = empty_hazard  #: hazard assumed where a family has no data at all
         self.min_family_risk = min_family_risk
         self.buckets = buckets
@@ -64,16 +67,17 @@ class ReuseModel:
         self.max_items = max_items
         self.count_cap = count_cap
         K = len(buckets)
-        self.events = [[0.0] * K for _ in range(n_classes)]
-        self.at_risk = [[0.0] * K for _ in range(n_classes)]
+        self.events = np.zeros((n_classes, K))  # [class, bucket]
+        self.at_risk = np.zeros((n_classes, K))
         # Per timing key (Item.timing: e.g. answer-length x previous-gap bucket), pooled over classes: *when*
         # items with that key return, relative to all keyed items (`timing_ratios`).
         self.n_timing = n_timing
-        self.timing_events = [[0.0] * K for _ in range(n_timing)]
-        self.timing_at_risk = [[[0.0] * K for _ in range(n_classes)] for _ in range(n_timing)]  # [key][class][k]
+        self.timing_events = np.zeros((n_timing, K))  # [key, bucket]
+        self.timing_at_risk = np.zeros((n_timing, n_classes, K))  # [key, class, bucket]
         self._queues: list[deque[Item]] = [deque() for _ in range(K)]
         self.items = 0  #: items still waiting (bounded by max_items)
         self._advanced_to = float("-inf")
+        self._next_due = float("inf")  # earliest time an item completes its current bucket
         self.dropped = 0
 
     # -- item lifecycle
@@ -84,22 +88,30 @@ class ReuseModel:
         it = Item(now, cls, weight)
         self._queues[0].append(it)
         self.items += 1
+        due = now + self.buckets.edges[0]
+        if due < self._next_due:
+            self._next_due = due
         return it
 
     def returned(self, item: Item | None, now: float) -> None:
         """The item's thing was reused at `now`."""
         if item is None or not item.alive:
             return
-        self.advance(now)  # count the buckets it lived through first
         item.alive = False
         self.items -= 1
         b = self.buckets.index(max(0.0, now - item.start))
-        if b < len(self.buckets):
-            self.events[item.cls][b] += item.weight
-            self.at_risk[item.cls][b] += item.weight
-            if item.timing is not None:
-                self.timing_events[item.timing][b] += item.weight
-                self.timing_at_risk[item.timing][item.cls][b] += item.weight
+        K = len(self.buckets)
+        w, c, t = item.weight, item.cls, item.timing
+        for k in range(item.counted, min(b, K)):  # the whole buckets it lived through, not counted yet
+            self.at_risk[c, k] += w
+            if t is not None:
+                self.timing_at_risk[t, c, k] += w
+        if b < K:
+            self.events[c, b] += w
+            self.at_risk[c, b] += w
+            if t is not None:
+                self.timing_events[t, b] += w
+                self.timing_at_risk[t, c, b] += w
 
     def cancel(self, item: Item | None) -> None:
         """Stop tracking without counting anything (the thing was forgotten)."""
@@ -108,12 +120,14 @@ class ReuseModel:
             self.items -= 1
 
     def advance(self, now: float) -> None:
-        """Count items that lived through whole buckets without a reuse."""
-        if now <= self._advanced_to:
+        """Count items that lived through whole buckets without a reuse (at most once per `granularity` seconds:
+        a return counts its own lived-through buckets itself)."""
+        if now < self._advanced_to + self.granularity or now < self._next_due:
             return
         self._advanced_to = now
         edges = self.buckets.edges
         K = len(edges)
+        nd = float("inf")
         for k in range(K):
             q = self._queues[k]
             edge = edges[k]
@@ -122,21 +136,24 @@ class ReuseModel:
                 it = q.popleft()
                 if not it.alive:
                     continue
-                self.at_risk[it.cls][k] += it.weight
+                self.at_risk[it.cls, k] += it.weight
                 if it.timing is not None:
-                    self.timing_at_risk[it.timing][it.cls][k] += it.weight
+                    self.timing_at_risk[it.timing, it.cls, k] += it.weight
+                it.counted = k + 1
                 if nxt is not None:
                     nxt.append(it)
                 else:
                     it.alive = False  # never reused within the horizon
                     self.items -= 1
+            if q:
+                nd = min(nd, q[0].start + edge)
+        self._next_due = nd
 
     # -- estimates (vectorised: a refresh of a few hundred rows costs well under a millisecond)
     def hazards_array(self) -> np.ndarray:
         """Per class and bucket: P(reuse in bucket | no reuse before it), with a pooled family prior."""
         K = len(self.buckets)
-        ev = np.asarray(self.events, dtype=float).reshape(self.n_classes, K)
-        ar = np.asarray(self.at_risk, dtype=float).reshape(self.n_classes, K)
+        ev, ar = self.events, self.at_risk  # views; _cap_counts below halves in place, after the estimate
         fam = np.array([self.prior_of(c) for c in range(self.n_classes)])
         a = self.prior_strength
         prior = np.empty_like(ev)
@@ -166,17 +183,17 @@ class ReuseModel:
         classes already say); `strength` pseudo-items at risk at the pooled hazard pull sparse keys towards 1."""
         K = len(self.buckets)
         n = self.n_timing
-        obs = np.asarray(self.timing_events, dtype=float).reshape(n, K)
-        tar = np.asarray(self.timing_at_risk, dtype=float).reshape(n, self.n_classes, K)
+        obs, tar = self.timing_events, self.timing_at_risk
         exp = (tar * np.asarray(hazards)[None, :, :]).sum(axis=1)
         risk = tar.sum(axis=(0, 1))
         with np.errstate(divide="ignore", invalid="ignore"):
             prior = np.where(risk > 0, strength * obs.sum(axis=0) / risk, 0.0)
             den = exp + prior
             out = np.where(den > 0, (obs + prior) / den, 1.0)
-        for t in np.nonzero(tar.sum(axis=(1, 2)) > self.count_cap)[0]:
-            self.timing_events[t] = [x / 2 for x in self.timing_events[t]]
-            self.timing_at_risk[t] = [[x / 2 for x in ar] for ar in self.timing_at_risk[t]]
+        big = tar.sum(axis=(1, 2)) > self.count_cap
+        if big.any():
+            self.timing_events[big] /= 2
+            self.timing_at_risk[big] /= 2
         return out
 
     def timing_ratios(self, hazards: list[list[float]], strength: float = 100.0) -> list[list[float]]:
@@ -184,10 +201,10 @@ class ReuseModel:
 
     def _cap_counts(self) -> None:
         """Halve a class's counters when they grow large: bounded numbers and a slow drift towards recent data."""
-        for c in range(self.n_classes):
-            if sum(self.at_risk[c]) > self.count_cap:
-                self.events[c] = [x / 2 for x in self.events[c]]
-                self.at_risk[c] = [x / 2 for x in self.at_risk[c]]
+        big = self.at_risk.sum(axis=1) > self.count_cap
+        if big.any():
+            self.events[big] /= 2
+            self.at_risk[big] /= 2
 
     def tables(
         self, hit_prob: list[float], rows: np.ndarray | None = None, stay_prob: list[float] | None = None

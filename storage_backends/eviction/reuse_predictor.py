@@ -118,45 +118,43 @@ class ReusePredictor:
         return False
 
     def _columns(self, x: Sequence[int]) -> list[int]:
+        """The one-hot columns of x (one per group, one per cross)."""
         cols = [self._offs[g] + v for g, v in enumerate(x)]
         for ia, ib, nb, off in self._crosses:
             cols.append(off + x[ia] * nb + x[ib])
         return cols
 
     def refit(self) -> None:
-        """A few Newton steps of L2-penalised logistic regression on the aggregated window (warm-started)."""
+        """A few damped Newton steps of L2-penalised logistic regression on the aggregated window (warm-started).
+        The design is one-hot, so gradient and Hessian are sums over each row's few active columns (bincount):
+        O(distinct tuples x active columns^2), independent of the number of feature values."""
         self._since = 0
         if not self._counts:
             return
         rows = list(self._counts.items())
-        U, F = len(rows), self.n_columns
-        X = np.zeros((U, F + 1))
-        X[:, F] = 1.0  # intercept column (not penalised)
-        pos = np.empty(U)
-        tot = np.empty(U)
-        off = np.zeros(U)
-        for r, (x, (p, n)) in enumerate(rows):
-            X[r, self._columns(x)] = 1.0
-            pos[r] = p
-            tot[r] = p + n
-            if self.offset_of is not None:
-                off[r] = self.offset_of(x)
+        F = self.n_columns
+        cols = np.array([self._columns(x) + [F] for x, _ in rows], dtype=np.int64)  # + the intercept column
+        counts = np.array([c for _, c in rows], dtype=float)
+        pos = counts[:, 0]
+        tot = counts[:, 0] + counts[:, 1]
+        off = np.array([self.offset_of(x) for x, _ in rows]) if self.offset_of is not None else 0.0
+        U, A = cols.shape
+        flat = cols.ravel()
+        pairs = (cols[:, :, None] * (F + 1) + cols[:, None, :]).ravel()
         beta = np.concatenate([self.w, [self.bias]])
         pen = np.full(F + 1, self.l2)
         pen[F] = 1e-3
 
-        def loss(b: np.ndarray) -> float:
-            z = X @ b + off
-            # sum of tot*log(1+e^z) - pos*z, stably, plus the penalty
-            return float(np.sum(tot * np.logaddexp(0.0, z) - pos * z) + 0.5 * np.sum(pen * b * b))
+        def loss(b: np.ndarray) -> tuple[float, np.ndarray]:
+            z = b[cols].sum(axis=1) + off
+            return float(np.sum(tot * np.logaddexp(0.0, z) - pos * z) + 0.5 * np.sum(pen * b * b)), z
 
-        cur = loss(beta)
+        cur, z = loss(beta)
         for _ in range(self.newton_steps):
-            z = X @ beta + off
             mu = 1.0 / (1.0 + np.exp(-np.clip(z, -30, 30)))
-            grad = X.T @ (tot * mu - pos) + pen * beta
+            grad = np.bincount(flat, weights=np.repeat(tot * mu - pos, A), minlength=F + 1) + pen * beta
             wts = tot * mu * (1.0 - mu)
-            H = (X.T * wts) @ X
+            H = np.bincount(pairs, weights=np.repeat(wts, A * A), minlength=(F + 1) ** 2).reshape(F + 1, F + 1)
             H[np.diag_indices_from(H)] += pen
             try:
                 step = np.linalg.solve(H, grad)
@@ -166,13 +164,13 @@ class ReusePredictor:
             t = 1.0
             while True:  # damped Newton: halve the step until the penalised loss falls
                 cand = beta - t * step
-                val = loss(cand)
+                val, zc = loss(cand)
                 if val <= cur or t < 1e-3:
                     break
                 t *= 0.5
             if val > cur:
                 break
-            beta, cur = cand, val
+            beta, cur, z = cand, val, zc
             if float(np.max(np.abs(t * step))) < 1e-4:
                 break
         self.w = beta[:F]

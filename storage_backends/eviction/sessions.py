@@ -27,7 +27,7 @@ class Session:
 
     __slots__ = (
         "sid", "depth", "chain_len", "first_key", "tail_keys", "last_time", "answer_tokens", "keys", "new_blocks",
-        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "__weakref__",
+        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch", "__weakref__",
     )
 
     def __init__(self, sid: int, now: float) -> None:
@@ -50,6 +50,9 @@ class Session:
         self.ver = 0  #: bumped whenever the policy re-scores the session (stale heap entries are skipped)
         self.filed = False  #: has a live entry in the policy's eviction heap
         self.nbytes = 0  #: total size of the resident history chunks (kept by the policy)
+        self.entry = None  #: its latest heap entry, with when it stops being current (the policy's)
+        self.until = 0.0
+        self.epoch = -1
 
     def __repr__(self) -> str:
         return f"Session(sid={self.sid}, depth={self.depth}, keys={len(self.keys)}, answer={self.answer_tokens})"
