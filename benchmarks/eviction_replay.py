@@ -41,7 +41,8 @@ from kvtier.tools.replay import ReplayClock, build_policy, parse_capacity, repla
 from kvtier.tools.traces import read_trace, unique_blocks
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "traces"
+SHARED = next((p for p in (REPO.parent / "shared" / "traces", REPO.parent.parent / "shared" / "traces")
+               if p.exists()), REPO.parent / "shared" / "traces")  # a checkout beside ../shared, or a worktree
 TUNE_END_S = 900.0  #: the defaults were chosen on requests before this time only
 OURS = "answer-length"
 BASELINES = ["lru", "fifo", "lfu", "arc", "s3fifo"]

@@ -391,23 +391,35 @@ class AnswerLengthPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ predictor
     def _turn(self, s: Session, chain: Sequence[Key], follow_up: bool) -> Turn:
+        hits = 1
+        if follow_up:
+            repeated = len(chain) - s.new_blocks
+            keys = self._keys
+            n = sum(1 for k in itertools.islice(chain, repeated) if k in keys)
+            hits = 2 if n == 0 else (4 if n >= repeated else 3)
+        return self.turn_features(s.depth, s.new_blocks, len(chain), s.prev_gap, hits)
+
+    def turn_features(self, depth: int, new_blocks: int, chain_len: int, prev_gap: float | None,
+                      hits: int = 1) -> Turn:
+        """The predictor's view of a turn (`hits`: 1 first turn, 2 none / 3 part / 4 all of its history was
+        resident); the answer is added when the turn finishes."""
         cfg = self.cfg
-        depth = 1 + _bucket(s.depth, DEPTH_EDGES) if cfg.use_depth else 0
-        new = 1 + _bucket(s.new_blocks, NEW_EDGES) if cfg.use_new_blocks else 0
-        ch = 1 + _bucket(len(chain), CHAIN_EDGES) if cfg.use_chain else 0
         pace = 0
         if cfg.gap_timing:
-            pace = 1 if s.prev_gap is None else 2 + _bucket(s.prev_gap, GAP_EDGES)
-        hits = 0
-        if cfg.use_hit_history:
-            if not follow_up:
-                hits = 1
-            else:
-                repeated = len(chain) - s.new_blocks
-                keys = self._keys
-                n = sum(1 for k in itertools.islice(chain, repeated) if k in keys)
-                hits = 2 if n == 0 else (4 if n >= repeated else 3)
-        return Turn(depth, new, ch, pace, hits)
+            pace = 1 if prev_gap is None else 2 + _bucket(prev_gap, GAP_EDGES)
+        return Turn(
+            1 + _bucket(depth, DEPTH_EDGES) if cfg.use_depth else 0,
+            1 + _bucket(new_blocks, NEW_EDGES) if cfg.use_new_blocks else 0,
+            1 + _bucket(chain_len, CHAIN_EDGES) if cfg.use_chain else 0,
+            pace,
+            hits if cfg.use_hit_history else 0,
+        )
+
+    def session_features(self, turn: Turn, answer_tokens: int | None) -> tuple[int, ...]:
+        """Features of a session's history chunks after `turn` (with its answer length, if known)."""
+        if answer_tokens is not None and self.cfg.use_answer_length:
+            turn.answer = 1 + _bucket(answer_tokens, ANSWER_EDGES)
+        return self._features(turn, HIST, 0)
 
     def _features(self, turn: Turn | None, kind: int, reads: int) -> tuple[int, ...]:
         r = 1 + _bucket(reads, SHARE_EDGES) if (reads and self.cfg.use_reads) else 0
@@ -740,7 +752,7 @@ class AnswerLengthPolicy(EvictionPolicy):
         if u is None:
             return
         now = self._clock()
-        if u.__class__ is KeyUnit and u.seq != self._req_seq:
+        if u.__class__ is KeyUnit and (u.seq != self._req_seq or not self._req_seq):
             self._touch_key_unit(u, now)
         hv = key_hash(key)
         if not self._ghost_rate:
@@ -910,6 +922,8 @@ class AnswerLengthPolicy(EvictionPolicy):
             "predictor_samples": len(self.predictor),
             "ghost_keys": len(self._ghost_items),
             "ctx": len(self._ctx),
+            "units": len(self._units),
+            "heap": max(len(self._heap), len(self._cross)),
         }
 
     def stats(self) -> dict:

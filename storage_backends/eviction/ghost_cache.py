@@ -207,13 +207,17 @@ class GhostBelady:
 
     def label_horizon(self) -> float:
         """How old a sampled access is when it gets its label: the reuse time beyond which the optimum hardly hits
-        (hit_prob <= 2%), within [min_label_horizon, max_label_horizon]."""
+        (hit_prob <= 2%), within [min_label_horizon, max_label_horizon], and at most half the time the window
+        spans (older accesses leave the window unlabelled)."""
         h = self.buckets.horizon
         for b, p in enumerate(self.hit_prob):
             if p <= 0.02:
                 h = self.buckets.lower(b)
                 break
-        return min(self.max_label_horizon, max(self.min_label_horizon, h))
+        h = min(self.max_label_horizon, max(self.min_label_horizon, h))
+        if self._trace:
+            h = min(h, (self._trace[-1][1] - self._trace[0][1]) / 2)
+        return h
 
     def rerun(self, capacity_blocks: int) -> None:
         cap = max(1, int(round(capacity_blocks / self.sample_rate)))
