@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
     ssd = parse_capacity(args.ssd_capacity, uniq, args.block_bytes)
     logger.info(
         "%s: %d requests, %d block accesses, %d unique blocks", args.trace, len(reqs),
-        sum(len(r.hash_ids) for r in reqs), uniq,
+        sum(len(r.hash_ids) for r in reqs), unique_blocks(reqs),
     )
     results: list[ReplayResult] = []
     total = len(reqs) * len(policies) * len(hosts)

@@ -138,7 +138,7 @@ class AnswerLengthConfig:
     gate_margin: float = 0.005  #: the correction applies while it beats the class model by this many nats/label
     gate_min_labels: float = 500.0  #: ... measured on at least this many (decayed) fresh labels
     gate_decay: float = 0.999  #: weight of older labels in that comparison, per label
-    fallback: tuple[str, ...] = ("s3fifo",)  #: baselines the shadows compare against; () disables
+    fallback: tuple[str, ...] = ()  #: baselines the shadows compare against (e.g. ("s3fifo",)); () disables
     fallback_margin: float = 0.02  #: relative hit-count lead a baseline needs to take over
     shadow_sample_rate: int = 16
     shadow_window: int = 1024  #: sampled accesses per comparison round
@@ -152,6 +152,7 @@ class AnswerLengthConfig:
     max_ctx: int = 100_000  #: announced-but-not-inserted chunks remembered (requests that never finish)
     prior_strength: float = 8.0  #: pseudo-counts pulling a class's hazards towards its family's
     refresh_requests: int = 64  #: recompute the tables (and re-score every unit) every N requests
+    max_rescores_per_decision: int = 64  #: bucket crossings one eviction decision re-scores at most
     bucket_first_s: float = 2.0
     bucket_ratio: float = 1.5
     horizon_s: float = 3600.0
@@ -293,6 +294,7 @@ class AnswerLengthPolicy(EvictionPolicy):
         self._limbo: dict[Key, tuple[Session | KeyUnit, int]] = {}  # yielded by victims(), not removed yet
         self._hits = np.zeros((0, 0))  # per table row and elapsed bucket: expected hits from there on
         self._occ: np.ndarray | None = None  # ... and expected occupancy (density score only)
+        self._surv = np.zeros((0, 0))  # ... and P(no reuse before the bucket)
         self._h: list[float] = []
         # answer bucket -> histogram of observed next-turn reuse-time buckets; -> lower-bound bucket
         self._lb_hist = [[0] * (len(self.buckets) + 1) for _ in range(len(ANSWER_EDGES) + 1)]
@@ -318,13 +320,7 @@ class AnswerLengthPolicy(EvictionPolicy):
             for fb in cfg.fallback:
                 self._fallbacks[fb] = make_policy(fb, clock=clock)
                 self._shadows[fb] = _Shadow(make_policy(fb, clock=clock))
-            scale = cfg.shadow_sample_rate
-            own_cfg = replace(
-                cfg, fallback=(), use_predictor=False, ghost_sample_rate=max(1, (cfg.ghost_sample_rate or 8) // scale),
-                ghost_window=max(1024, cfg.ghost_window * cfg.ghost_sample_rate // scale),
-                ghost_refresh=max(256, cfg.ghost_refresh * cfg.ghost_sample_rate // scale),
-            )
-            self._shadows[self.name] = _Shadow(AnswerLengthPolicy(clock=clock, config=own_cfg))
+            # this policy's own shadow is built once the sampling rates are known (`_fix_shadow_rate`)
         self._fallback_list = list(self._fallbacks.values())
         self._ghost_rate = 0  # fixed by _fix_rates() at the first request or chunk
 
@@ -377,7 +373,7 @@ class AnswerLengthPolicy(EvictionPolicy):
             timed = np.minimum(1.0, rows[: self.C_TAIL, None, :] * ratios[None, :, :])
             rows = np.vstack([rows, timed.reshape(-1, rows.shape[1])])  # row n_base + cls * n_timing + t
         self._h = self.ghost.hit_prob if cfg.use_ghost else [1.0] * len(self.buckets)
-        self._hits, occ = self.reuse.tables(self._h, rows)
+        self._hits, occ, self._surv = self.reuse.tables(self._h, rows, with_survival=True)
         self._occ = occ if cfg.score == "density" else None
         self._since_refresh = 0
         self._epoch += 1
@@ -448,7 +444,13 @@ class AnswerLengthPolicy(EvictionPolicy):
         return (1, 1, 3, 5, 9, 17)[value]  # smallest read count of a "reads" feature value
 
     def _offset_of(self, x: tuple[int, ...]) -> float:
-        return _logit(self._hits.item(self._row_of(x), 0))
+        """The class model's log-odds for what a label says: a hit on a reuse within the ghost's label horizon."""
+        row = self._row_of(x)
+        b = bisect_right(self._edges, self.ghost.label_horizon())
+        h = self._hits.item(row, 0)
+        if b < len(self._edges):  # minus the hits after the horizon: survival to bucket b times hits from b on
+            h -= self._surv.item(row, b) * self._hits.item(row, b)
+        return _logit(h)
 
     def _on_label(self, ctx: tuple, label: bool, gap: float | None) -> None:
         """The ghost labelled a sampled past access: score the predictor on it (before it learns from it:
@@ -525,8 +527,6 @@ class AnswerLengthPolicy(EvictionPolicy):
             heapq.heappush(self._heap, entry)
             if e < self._n_edges:
                 heapq.heappush(self._cross, (u.until, seq, u, u.ver))
-            if len(self._heap) > 4 * len(self._units) + 4096 or len(self._cross) > 4 * len(self._units) + 4096:
-                self._compact()
         else:
             self._heap.append(entry)
             if e < self._n_edges:
@@ -555,13 +555,15 @@ class AnswerLengthPolicy(EvictionPolicy):
         self._cross = [x for x in self._cross if x[2].filed and x[3] == x[2].ver]
         heapq.heapify(self._cross)
 
-    def _advance(self, now: float) -> None:
-        """Re-score the units whose age crossed a bucket edge since the last call."""
+    def _advance(self, now: float, budget: int = -1) -> None:
+        """Re-score the units whose age crossed a bucket edge since the last call (at most `budget` of them when
+        it is >= 0: a decision's latency stays bounded; the rest wait for the next call)."""
         cross = self._cross
-        while cross and cross[0][0] <= now:
+        while cross and cross[0][0] <= now and budget != 0:
             _, _, u, ver = heapq.heappop(cross)
             if u.filed and u.ver == ver:
                 self._rescore(u, now)
+                budget -= 1
 
     def score(self, unit: Session | KeyUnit) -> float | None:
         """The unit's current score (lowest goes first); None when it is not filed (tests and reports)."""
@@ -612,6 +614,9 @@ class AnswerLengthPolicy(EvictionPolicy):
         self._since_refresh += 1
         if self._since_refresh >= self.cfg.refresh_requests:
             self._refresh()
+        self._advance(now)
+        if len(self._heap) > 4 * len(self._units) + 4096 or len(self._cross) > 4 * len(self._units) + 4096:
+            self._compact()
         s, follow_up = self.sessions.begin(chain, now)
         if follow_up:
             self.reuse.returned(s.item, now)
@@ -782,7 +787,7 @@ class AnswerLengthPolicy(EvictionPolicy):
         if not self._ghost_rate_fixed:
             self._fix_ghost_rate()
         self._ghost_rate = self.ghost.sample_rate if self._use_ghost else 1 << 62
-        if self._shadows and not self._shadow_rate:
+        if self._fallbacks and not self._shadow_rate:
             self._fix_shadow_rate()
 
     def _fix_ghost_rate(self) -> None:
@@ -795,10 +800,17 @@ class AnswerLengthPolicy(EvictionPolicy):
             self.ghost.sample_rate = rate
 
     def _fix_shadow_rate(self) -> int:
-        """The shadows' sampling rate, fixed at first use: small tiers sample more keys so the shadows stay
-        meaningful."""
-        self._shadow_rate = max(1, min(self.cfg.shadow_sample_rate, self._capacity_blocks() // 128))
-        return self._shadow_rate
+        """The shadows' sampling rate, fixed at first use (small tiers sample more keys so the shadows stay
+        meaningful), and this policy's own shadow: the same policy on the sampled stream, its ghost sampling the
+        rest of the main ghost's rate so that its window spans the same reuse times."""
+        cfg = self.cfg
+        rate = self._shadow_rate = max(1, min(cfg.shadow_sample_rate, self._capacity_blocks() // 128))
+        g = max(1, self.ghost.sample_rate // rate)
+        span = cfg.ghost_window * self.ghost.sample_rate // (rate * g)  # sampled accesses of the shadow's ghost
+        own = replace(cfg, fallback=(), use_predictor=False, ghost_sample_rate=g, ghost_window=max(1024, span),
+                      ghost_refresh=max(256, span // 8))
+        self._shadows[self.name] = _Shadow(AnswerLengthPolicy(clock=self._clock, config=own))
+        return rate
 
     def _shadow_chain(self, chain: Sequence[Key]) -> list:
         """The shadows' view of a request: its sampled keys, in order (cached for the request's finish)."""
@@ -849,7 +861,7 @@ class AnswerLengthPolicy(EvictionPolicy):
             self._reattach_limbo()
         if self.mode != self.name:
             return self._fallbacks[self.mode].victims(need, evictable)
-        self._advance(self._clock())
+        self._advance(self._clock(), self.cfg.max_rescores_per_decision)
         heap = self._heap
         pop = heapq.heappop
         limbo = self._limbo
