@@ -8,7 +8,9 @@ drops the host copy too. After the request, the policy hears `on_request_finishe
 `now` is the trace timestamp (seconds), also returned by the clock handed to the policies.
 
 `hit_rate` = host hits / block accesses; `ssd_hit_rate` = SSD hits (host misses found on SSD) / block accesses.
+With `score_from`, only requests from that time on are counted (earlier ones warm the tiers and the policies up).
 The same policy objects run in production tiers; Belady gets the future host-tier key sequence via `set_future`.
+`vllm-*` policies are vLLM's own CPU-offload manager, replayed by `kvtier.tools.vllm_offload` over the same model.
 """
 
 from __future__ import annotations

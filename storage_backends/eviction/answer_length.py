@@ -27,8 +27,11 @@ where e is the bucket of the time waited so far.
   features the traces carry (chunk kind, depth, new chunks in the turn, chain length, previous answer length, the
   user's pace, how much of the session's history the turn found resident, a shared chunk's read count), trained on
   the ghost's labels (for sampled past accesses: did the optimum, at this tier's capacity, hit the next access?),
-  with the class model's own hit potential as its offset. It learns only what the features add to the classes;
-  its odds ratio scales each unit's hit chance (hits' = r h / (1 - h + r h)).
+  with the class model's own chance of such a hit as its offset. It learns only what the features add to the
+  classes; its odds ratio scales each unit's hit chance (hits' = r h / (1 - h + r h)). Progressive validation
+  gates it: each new label is first predicted with and without the correction, and the correction is applied
+  only while it has predicted recent labels better by `gate_margin` nats (so it cannot make things worse where its
+  features carry nothing the classes do not already say).
 
 Units: a session's resident history chunks are evicted together as one unit, deepest chunk first (the prefix
 stays useful longest); tail/shared/orphan chunks are units of their own.
@@ -38,11 +41,11 @@ reuse-time bucket edge. Units sit in a min-heap of scores and a second heap of b
 them lazily, so a decision is O(log units) plus the crossings that fell due, and an access is O(1) (plus a sampled
 ghost record; Belady reruns and predictor refits are amortised over thousands of accesses).
 
-Fallback: where the signals carry no information the density ordering can lose to plain baselines. Shadow caches
-on a hash-sampled subset of keys (SHARDS-style, capacity scaled by the sampling rate) replay this policy's own
-ordering and each fallback baseline (default: S3-FIFO); when a baseline's decayed shadow hit count beats the current
-ordering's by more than `fallback_margin`, eviction delegates to a real instance of that baseline, which is fed
-every call all along (and back, with the same hysteresis).
+Fallback (off by default; e.g. `fallback=("s3fifo",)` for traffic without session signals): shadow caches on a
+hash-sampled subset of keys (SHARDS-style, capacity scaled by the sampling rate) replay this policy's own ordering
+and each fallback baseline; when a baseline's decayed shadow hit count beats the current ordering's by more than
+`fallback_margin`, eviction delegates to a real instance of that baseline, which is fed every call all along (and
+back, with the same hysteresis).
 
 Sessions come from `on_request(chain, now)` / `on_request_finished(chain, answer_tokens, now)` (the connector
 calls them; in LMCache-only use the tier calls `on_request` with the prefix chain of a lookup, and sessions are
@@ -314,6 +317,7 @@ class AnswerLengthPolicy(EvictionPolicy):
         self._shadows: dict[str, _Shadow] = {}
         self._shadow_n = 0
         self._shadow_rate = 0
+        self._live_hits = 0.0  # this tier's own hits on the shadow-sampled keys (decayed like the shadows')
         self._sub_of: tuple | None = None
         self._switches = 0
         if cfg.fallback:
@@ -763,12 +767,13 @@ class AnswerLengthPolicy(EvictionPolicy):
         if not self._ghost_rate:
             self._fix_rates()
         if hv % self._ghost_rate == 0 or (self._shadow_rate and hv % self._shadow_rate == 0):
-            self._observe(key, u, now, hv)
+            self._observe(key, u, now, hv, True)
         for fb in self._fallback_list:
             fb.on_access(key)
 
-    def _observe(self, key: Key, u: Session | KeyUnit, now: float, hv: int) -> None:
-        """A sampled access: the ghost's and/or the shadows' (`hv`: the key's sampling hash)."""
+    def _observe(self, key: Key, u: Session | KeyUnit, now: float, hv: int, hit: bool = False) -> None:
+        """A sampled access: the ghost's and/or the shadows' (`hv`: the key's sampling hash; `hit`: it was a hit
+        in this tier)."""
         ghost = self.ghost
         if self._use_ghost and hv % ghost.sample_rate == 0:
             if ghost.record_sampled(key, now, self._capacity_blocks(), self._ghost_ctx(u)):
@@ -778,6 +783,8 @@ class AnswerLengthPolicy(EvictionPolicy):
             cap = max(1, self._capacity_blocks() // rate)
             for sh in self._shadows.values():
                 sh.access(key, cap)
+            if hit:
+                self._live_hits += 1
             self._shadow_n += 1
             if self._shadow_n >= self.cfg.shadow_window:
                 self._decide_mode()
@@ -793,11 +800,13 @@ class AnswerLengthPolicy(EvictionPolicy):
     def _fix_ghost_rate(self) -> None:
         """Automatic ghost sampling, fixed at first use: about `ghost_capacity` sampled chunks of capacity (a
         larger tier samples fewer keys, so its window spans longer reuse times at the same cost); 8 when the
-        tier never said its capacity."""
+        tier never said its capacity. At a rate above 8, Belady reruns after as many accesses (of all keys) as
+        `ghost_refresh` sampled ones make at rate 8, so the first estimates come no later than at rate 8."""
         self._ghost_rate_fixed = True
         if self.capacity:
             rate = max(1, round(self._capacity_blocks() / max(1, self.cfg.ghost_capacity)))
             self.ghost.sample_rate = rate
+            self.ghost.refresh = max(64, min(self.cfg.ghost_refresh, round(self.cfg.ghost_refresh * 8 / rate)))
 
     def _fix_shadow_rate(self) -> int:
         """The shadows' sampling rate, fixed at first use (small tiers sample more keys so the shadows stay
@@ -822,9 +831,12 @@ class AnswerLengthPolicy(EvictionPolicy):
         return sub
 
     def _decide_mode(self) -> None:
-        """Switch orderings when another one's shadow clearly hits more (hysteresis: the current one keeps its
-        place unless beaten by `fallback_margin`)."""
+        """Switch orderings when another one's shadow clearly hits more than the ordering in charge (hysteresis:
+        it keeps its place unless beaten by `fallback_margin`). The ordering in charge is measured on this tier
+        itself (its hits on the sampled keys, which SHARDS makes comparable to the shadows' hit counts), the
+        others by their shadows."""
         hits = {n: sh.hits for n, sh in self._shadows.items()}
+        hits[self.mode] = self._live_hits
         cur = hits[self.mode]
         best = max(hits, key=lambda n: (hits[n], n == self.name))
         if best != self.mode and hits[best] > cur * (1.0 + self.cfg.fallback_margin) + 2:
@@ -833,6 +845,7 @@ class AnswerLengthPolicy(EvictionPolicy):
             self._switches += 1
         for sh in self._shadows.values():
             sh.hits *= 0.5  # keep half of the history: an exponential window
+        self._live_hits *= 0.5
         self._shadow_n = 0
 
     def on_remove(self, key: Key) -> None:
@@ -951,4 +964,5 @@ class AnswerLengthPolicy(EvictionPolicy):
             "label_delay_s": round(self.ghost.label_horizon(), 1),
             "sessions": len(self.sessions),
             "shadow_hits": {n: round(s.hits, 1) for n, s in self._shadows.items()},
+            "live_hits": round(self._live_hits, 1),
         }
