@@ -375,10 +375,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"LRU's {cpu_lru:.1f}), wall {us:.1f} us ({us / us_lru:.1f}x LRU's {us_lru:.1f}); decision p50 "
                   f"{a['decision_p50_ms']:.3f} ms, p99 {a['decision_p99_ms']:.3f} ms over {a['decisions']} decisions "
                   f"(LRU p99 {lru['decision_p99_ms']:.3f} ms)")
-        worst = max((r["seconds"], r["label"]) for r in rows if r["trace"] == "conversation"
-                    and r["split"] == "held-out" and r["label"] in table_policies)
-        print(f"{'PASS' if worst[0] < 60 else 'MISS'} slowest whole-file replay of one policy at one capacity: "
-              f"{worst[0]:.1f} s ({worst[1]}; target < 60 s)")
+        whole = [r for r in rows if r["trace"] == "conversation" and r["split"] == "held-out"
+                 and r["label"] in table_policies]
+        worst = max(whole, key=lambda r: r["cpu_seconds"])
+        worst_wall = max(whole, key=lambda r: r["seconds"])
+        ours_cpu = max(r["cpu_seconds"] for r in whole if r["label"] == OURS)
+        ok = worst["cpu_seconds"] < 60
+        out["targets"].append({"target": "whole-file replay < 60 s", "worst_cpu_s": worst["cpu_seconds"],
+                               "worst_policy": worst["label"], "answer_length_cpu_s": ours_cpu, "pass": ok})
+        print(f"{'PASS' if ok else 'MISS'} slowest whole-file replay (30 min) of one policy at one capacity: "
+              f"{worst['cpu_seconds']:.1f} s CPU ({worst['label']} @{worst['capacity']}; target < 60 s); "
+              f"answer-length at most {ours_cpu:.1f} s CPU; slowest wall {worst_wall['seconds']:.1f} s "
+              f"({worst_wall['label']} @{worst_wall['capacity']}, waiting for shared cores included)")
         print("\n== cost with 100k cached chunks (synthetic sessions; medians, and the decision p99)")
         costs = [measure_cost(p) for p in POLICIES]
         out["cost"] = costs

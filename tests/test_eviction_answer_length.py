@@ -62,6 +62,22 @@ def test_ghost_memory_is_bounded_and_sampling_is_deterministic():
     assert 700 < len(picked) < 1300 and picked == [k for k in range(4000) if key_sample(k, 4)]
 
 
+def test_ghost_first_run_comes_early_then_the_cadence_holds():
+    """`first_run` sampled accesses trigger the first Belady run (default: two refreshes' worth); later runs come
+    every `refresh` sampled accesses once the window holds two refreshes' worth."""
+    default = GhostBelady(BUCKETS, sample_rate=1, window=4096, refresh=256)
+    early = GhostBelady(BUCKETS, sample_rate=1, window=4096, refresh=256)
+    early.first_run = 64
+    assert default.first_run == 512
+    runs_at = {id(default): [], id(early): []}
+    for i in range(1100):
+        for g in (default, early):
+            if g.record(i % 50, float(i), 8):
+                runs_at[id(g)].append(i + 1)
+    assert runs_at[id(default)] == [512, 768, 1024]
+    assert runs_at[id(early)] == [64, 512, 768, 1024]
+
+
 # ------------------------------------------------------------------ reuse model
 
 

@@ -800,13 +800,15 @@ class AnswerLengthPolicy(EvictionPolicy):
     def _fix_ghost_rate(self) -> None:
         """Automatic ghost sampling, fixed at first use: about `ghost_capacity` sampled chunks of capacity (a
         larger tier samples fewer keys, so its window spans longer reuse times at the same cost); 8 when the
-        tier never said its capacity. At a rate above 8, Belady reruns after as many accesses (of all keys) as
-        `ghost_refresh` sampled ones make at rate 8, so the first estimates come no later than at rate 8."""
+        tier never said its capacity. At a rate above 8, Belady first runs after as many accesses (of all keys)
+        as it would at rate 8, so the first estimates come no later than at rate 8; later runs keep the
+        `ghost_refresh` cadence of sampled accesses."""
         self._ghost_rate_fixed = True
         if self.capacity:
             rate = max(1, round(self._capacity_blocks() / max(1, self.cfg.ghost_capacity)))
-            self.ghost.sample_rate = rate
-            self.ghost.refresh = max(64, min(self.cfg.ghost_refresh, round(self.cfg.ghost_refresh * 8 / rate)))
+            g = self.ghost
+            g.sample_rate = rate
+            g.first_run = max(64, min(g.first_run, round(g.first_run * 8 / rate)))
 
     def _fix_shadow_rate(self) -> int:
         """The shadows' sampling rate, fixed at first use (small tiers sample more keys so the shadows stay

@@ -170,6 +170,8 @@ class GhostBelady:
         self.sample_rate = max(1, int(sample_rate))
         self.window = int(window)
         self.refresh = int(refresh)
+        #: sampled accesses before the first run (default: two refreshes' worth, or the window if smaller)
+        self.first_run = min(self.window, 2 * self.refresh)
         self.smoothing = smoothing
         self.label_sink = label_sink
         self.min_label_horizon = min_label_horizon
@@ -199,7 +201,8 @@ class GhostBelady:
         """`record` for a key the caller already knows is sampled (`key_sample(key, sample_rate)`)."""
         self._trace.append([key, now, context])
         self._since += 1
-        if self._since >= self.refresh and len(self._trace) >= min(self.window, 2 * self.refresh):
+        if (len(self._trace) >= self.first_run if not self.runs
+                else self._since >= self.refresh and len(self._trace) >= min(self.window, 2 * self.refresh)):
             self._since = 0
             self.rerun(capacity_blocks)
             return True
