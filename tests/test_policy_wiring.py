@@ -26,14 +26,16 @@ def touch(t, key):
     assert t.read_batch([key], lambda k, m: (memoryview(buf), k), lambda h: None) == [key]
 
 
-@pytest.mark.parametrize("policy, survivors", [("lru", ["a", "c", "d"]), ("fifo", ["b", "c", "d"])])
+@pytest.mark.parametrize("policy, survivors", [("lru", ["a", "c", "d"]), ("fifo", ["b", "c", "d"]),
+                                               ("answer-length", ["a", "c", "d"])])
 def test_ssd_tier_evicts_through_its_policy(tier_config, policy, survivors):
     t = SSDTier(tier_config(ssd_capacity_gb=3 * (HEADER_SIZE + CHUNK) / (1 << 30), eviction_policy=policy), CHUNK)
     try:
         assert t.policy.name == policy and t.policy.capacity == 3
         for i, k in enumerate("abc"):
             put(t, k, i)
-        touch(t, "a")  # LRU keeps a (recently used), FIFO evicts it (oldest insert)
+        touch(t, "a")  # LRU keeps a (recently used), FIFO evicts it (oldest insert); answer-length: a chunk read
+        # again has a wait ahead of it, the unread b and c are older waits of the same (orphan) class
         put(t, "d", 3)
         assert sorted(t.keys()) == survivors
     finally:
@@ -59,7 +61,8 @@ def test_session_signals_reach_the_ssd_policy_in_its_key_space(tier_config):
         t.close()
 
 
-@pytest.mark.parametrize("policy, present", [("fifo", [False, True, True, True]), ("lru", [True, False, True, True])])
+@pytest.mark.parametrize("policy, present", [("fifo", [False, True, True, True]), ("lru", [True, False, True, True]),
+                                             ("answer_length", [True, False, True, True])])
 def test_lmcache_host_tier_uses_a_kvtier_policy(tmp_path, policy, present):
     from lmcache.v1.storage_backend.cache_policy import POLICY_MAPPING
 

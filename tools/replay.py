@@ -8,7 +8,9 @@ drops the host copy too. After the request, the policy hears `on_request_finishe
 `now` is the trace timestamp (seconds), also returned by the clock handed to the policies.
 
 `hit_rate` = host hits / block accesses; `ssd_hit_rate` = SSD hits (host misses found on SSD) / block accesses.
+With `score_from`, only requests from that time on are counted (earlier ones warm the tiers and the policies up).
 The same policy objects run in production tiers; Belady gets the future host-tier key sequence via `set_future`.
+`vllm-*` policies are vLLM's own CPU-offload manager, replayed by `kvtier.tools.vllm_offload` over the same model.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvtier.storage_backends.eviction.base import (
     make_policy,
     production_policy_names,
 )
+from kvtier.tools import vllm_offload
 from kvtier.tools.traces import TraceRequest, read_trace, unique_blocks
 
 logger = logging.getLogger(__name__)
@@ -125,10 +128,17 @@ def simulate(
     ssd_blocks: int | None = None,
     clock: ReplayClock | None = None,
     progress: Callable[[int], None] | None = None,
+    score_from: float | None = None,
+    decision_ns: list[int] | None = None,
 ) -> dict:
-    """Run the two-tier model; returns counters. `ssd=None` or `ssd_blocks=None` means an unbounded SSD."""
+    """Run the two-tier model; returns counters. `ssd=None` or `ssd_blocks=None` means an unbounded SSD.
+    `score_from`: count hits and misses only for requests arriving at or after this time (seconds); earlier
+    requests still run through the tiers (they warm the caches and the policies' online learning).
+    `decision_ns`: when given, the wall time of every host eviction decision (victims() until it has freed
+    enough, with the on_remove calls) is appended to it, in nanoseconds."""
     clock = clock or ReplayClock()
     always = _always
+    perf_ns = time.perf_counter_ns
     host_used = 0
     ssd_set: set[int] = set()
     ssd_used = 0
@@ -138,18 +148,19 @@ def simulate(
         clock.now = r.timestamp
         chain = r.hash_ids
         host.on_request(chain, r.timestamp)
+        scored = 1 if score_from is None or r.timestamp >= score_from else 0
         for k in chain:
-            accesses += 1
+            accesses += scored
             if k in host:
-                host_hits += 1
+                host_hits += scored
                 host.on_access(k)
                 continue
             if k in ssd_set:
-                ssd_hits += 1
+                ssd_hits += scored
                 if bounded_ssd:
                     ssd.on_access(k)
             else:
-                misses += 1
+                misses += scored
                 if bounded_ssd:
                     if ssd_used + 1 > ssd_blocks:
                         for v in list(ssd.victims(ssd_used + 1 - ssd_blocks, always)):
@@ -165,10 +176,13 @@ def simulate(
             if host_blocks <= 0:
                 continue
             if host_used + 1 > host_blocks:
+                t0 = perf_ns() if decision_ns is not None else 0
                 for v in host.victims(host_used + 1 - host_blocks, always):
                     host.on_remove(v)
                     host_used -= 1
                     evictions += 1
+                if decision_ns is not None:
+                    decision_ns.append(perf_ns() - t0)
                 if host_used + 1 > host_blocks:
                     raise RuntimeError(f"{host.name}: victims() freed too little ({host_used}/{host_blocks})")
             host.on_insert(k, 1)
@@ -197,10 +211,15 @@ def replay_one(
     ssd_policy: str = "lru",
     policy_kwargs: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    score_from: float | None = None,
+    decision_ns: list[int] | None = None,
 ) -> ReplayResult:
-    """Replay `reqs` with `policy` governing the host tier (and `ssd_policy` a bounded SSD tier)."""
-    clock = ReplayClock()
+    """Replay `reqs` with `policy` governing the host tier (and `ssd_policy` a bounded SSD tier). `vllm-*` policies
+    are vLLM's own CPU-offload manager (`kvtier.tools.vllm_offload`), where vLLM can be imported."""
     name = POLICY_ALIASES.get(policy, policy)
+    if vllm_offload.is_vllm_policy(name):
+        return _replay_vllm(reqs, name, host, ssd, progress, score_from)
+    clock = ReplayClock()
     hp = build_policy(name, clock, host.blocks, **(policy_kwargs or {}))
     if name == "belady":
         hp.set_future(host_key_sequence(reqs))  # type: ignore[attr-defined]
@@ -210,14 +229,14 @@ def replay_one(
             raise ValueError("belady cannot govern the SSD tier in a replay (its future depends on the host tier)")
         sp = build_policy(ssd_policy, clock, ssd.blocks)
     t0 = time.perf_counter()
-    c = simulate(reqs, hp, host.blocks or 0, sp, ssd.blocks if ssd else None, clock, progress)
+    c = simulate(reqs, hp, host.blocks or 0, sp, ssd.blocks if ssd else None, clock, progress, score_from, decision_ns)
     dt = time.perf_counter() - t0
     n = max(c["accesses"], 1)
     extra = {}
     stats = getattr(hp, "stats", None)
     if callable(stats):
         extra = stats()
-    uniq = unique_blocks(reqs)
+    uniq = unique_blocks(r for r in reqs if score_from is None or r.timestamp >= score_from)
     return ReplayResult(
         policy=name,
         host_capacity=host.label,
@@ -238,6 +257,31 @@ def replay_one(
     )
 
 
+def _replay_vllm(reqs, name, host, ssd, progress, score_from) -> ReplayResult:
+    if ssd is not None and ssd.blocks is not None:
+        raise ValueError(f"{name}: vLLM's CPU-offload manager is replayed over an unbounded SSD tier only "
+                         f"(leave --ssd-capacity at inf)")
+    if host.blocks is None:
+        raise ValueError(f"{name}: needs a bounded host capacity")
+    t0 = time.perf_counter()
+    c = vllm_offload.simulate(reqs, name, host.blocks, score_from=score_from, progress=progress)
+    dt = time.perf_counter() - t0
+    n = max(c["accesses"], 1)
+    uniq = unique_blocks(r for r in reqs if score_from is None or r.timestamp >= score_from)
+    return ReplayResult(
+        policy=name, host_capacity=host.label, host_capacity_blocks=host.blocks,
+        host_capacity_fraction=host.blocks / uniq if uniq else 0.0, ssd_capacity="inf", ssd_capacity_blocks=None,
+        requests=len(reqs), accesses=c["accesses"], host_hits=c["host_hits"], ssd_hits=c["ssd_hits"],
+        misses=c["misses"], hit_rate=c["host_hits"] / n, ssd_hit_rate=c["ssd_hits"] / n,
+        host_evictions=c["host_evictions"], seconds=dt, extra={"vllm": vllm_offload.vllm_version()},
+    )
+
+
+def known_policy(name: str) -> bool:
+    production_policy_names()  # loads every policy module
+    return name in POLICY_REGISTRY or vllm_offload.is_vllm_policy(name)
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -246,8 +290,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["mooncake", "bailian"], default=None, help="default: sniffed")
     parser.add_argument(
         "--policies",
-        default="lru,arc,s3fifo,answer-length,belady",
-        help="comma list of policies (lru, fifo, lfu, arc, s3fifo, answer-length, belady)",
+        default=None,
+        help="comma list of policies (lru, fifo, lfu, arc, s3fifo, answer-length, belady; and vLLM's own "
+        "CPU-offload manager where vLLM can be imported: vllm-lru, vllm-arc, vllm-lru-t2, vllm-arc-t2); default: "
+        f"{DEFAULT_POLICIES}, plus vllm-lru,vllm-arc when vLLM ships its CPU-offload manager here",
     )
     parser.add_argument(
         "--host-capacity",
@@ -258,27 +304,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd-policy", default="lru", help="policy of a bounded SSD tier (default lru)")
     parser.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="bytes per block for GB sizes")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--until", type=float, default=None,
+                        help="replay only requests that arrive before this time (seconds from the trace start)")
+    parser.add_argument("--score-from", type=float, default=None,
+                        help="count hits only for requests from this time on (seconds); earlier ones warm the tiers "
+                             "and the policies up. Fractional capacities are then fractions of the unique blocks "
+                             "of the scored requests")
     parser.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     parser.add_argument("--plot", default=None, help="write a PNG of hit rate against host capacity here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+DEFAULT_POLICIES = "lru,arc,s3fifo,answer-length,belady"
+
+
 def run(args: argparse.Namespace) -> int:
     reqs = read_trace(args.trace, args.format, args.limit)
+    if args.until is not None:
+        reqs = [r for r in reqs if r.timestamp < args.until]
     if not reqs:
         print(f"{args.trace}: no requests", file=sys.stderr)
         return 1
-    uniq = unique_blocks(reqs)
-    policies = [POLICY_ALIASES.get(p.strip(), p.strip()) for p in args.policies.split(",") if p.strip()]
-    production_policy_names()  # loads every policy module
+    scored = reqs if args.score_from is None else [r for r in reqs if r.timestamp >= args.score_from]
+    if not scored:
+        print(f"{args.trace}: no requests at or after --score-from {args.score_from}", file=sys.stderr)
+        return 1
+    uniq = unique_blocks(scored)
+    names = args.policies
+    if names is None:
+        names = DEFAULT_POLICIES + (",vllm-lru,vllm-arc" if vllm_offload.installed() else "")
+    policies = [POLICY_ALIASES.get(p.strip(), p.strip()) for p in names.split(",") if p.strip()]
     for p in policies:  # fail before replaying anything
-        if p not in POLICY_REGISTRY:
-            raise ValueError(f"unknown eviction policy {p!r}; choose from {sorted(POLICY_REGISTRY)}")
+        if not known_policy(p):
+            raise ValueError(f"unknown eviction policy {p!r}; choose from "
+                             f"{sorted(POLICY_REGISTRY) + sorted(vllm_offload.VLLM_POLICIES)}")
+    if any(vllm_offload.is_vllm_policy(p) for p in policies) and not vllm_offload.available():
+        vllm_offload.simulate([], next(p for p in policies if vllm_offload.is_vllm_policy(p)), 1)  # raises: why
     hosts = [parse_capacity(c, uniq, args.block_bytes) for c in args.host_capacity.split(",") if c.strip()]
     ssd = parse_capacity(args.ssd_capacity, uniq, args.block_bytes)
     logger.info(
         "%s: %d requests, %d block accesses, %d unique blocks", args.trace, len(reqs),
-        sum(len(r.hash_ids) for r in reqs), uniq,
+        sum(len(r.hash_ids) for r in reqs), unique_blocks(reqs),
     )
     results: list[ReplayResult] = []
     total = len(reqs) * len(policies) * len(hosts)
@@ -292,11 +358,18 @@ def run(args: argparse.Namespace) -> int:
             for p in policies:
                 if bar is not None:
                     bar.set_postfix_str(f"{p}@{host.label}")
-                results.append(replay_one(reqs, p, host, ssd, args.ssd_policy, progress=bar.update if bar else None))
+                results.append(replay_one(reqs, p, host, ssd, args.ssd_policy, progress=bar.update if bar else None,
+                                          score_from=args.score_from))
     finally:
         if bar is not None:
             bar.close()
+    if args.score_from is not None:
+        print(f"scored: requests from t = {args.score_from:g} s on ({len(scored)} of {len(reqs)}); capacities as "
+              f"fractions of their {uniq} unique blocks")
     print(format_table(results))
+    versions = {r.extra["vllm"] for r in results if "vllm" in r.extra}
+    if versions:
+        print(f"vllm-* rows: vLLM {', '.join(sorted(versions))}'s own CPUOffloadingManager and cache policies")
     if args.json_out:
         write_json(args.json_out, args.trace, uniq, results)
         logger.info("wrote %s", args.json_out)

@@ -1,10 +1,16 @@
-"""The ghost cache: Belady replayed over a sliding window of recent accesses, learning per reuse-time bucket how
-likely a reuse with that reuse time is a hit for the optimal policy at the tier's capacity.
+"""The ghost cache: Belady replayed over a sliding window of recent accesses. It learns per reuse-time bucket how
+likely a reuse with that reuse time is a hit for the optimal policy at the tier's capacity, and it *labels* past
+accesses for a reuse predictor: was keeping this chunk from this access to its next one worth it to the optimum?
 
 Only the past is used: the window holds accesses that already happened; Belady's "future" is the future *inside*
-the window. To keep it cheap and its memory bounded, keys are spatially sampled (one key in `sample_rate`, by a
-hash of the key, as in SHARDS) and the ghost capacity is scaled by the same factor. Memory: at most `window`
-(key, time) pairs plus the per-bucket counters.
+the window. A sampled access is labelled once, when the window has run `label_horizon()` seconds past it (all
+labels at the same age, so they are not biased towards early reuses): True if the optimum hit its next access
+(which the window then shows), False if it missed it or there was none yet (the optimum hardly keeps anything that
+long at this capacity). To keep it cheap and its memory bounded,
+keys are spatially sampled (one key in `sample_rate`, by a hash of the key, as in SHARDS) and the ghost capacity
+is scaled by the same factor. Belady reruns after every `refresh` sampled accesses (once the window holds two
+refreshes' worth). Memory: at most `window` sampled
+accesses (key, time, context) plus the per-bucket counters.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -23,11 +29,16 @@ _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
 
+def key_hash(key: Hashable) -> int:
+    """A well-mixed 24-bit hash of the key for spatial sampling (`key_hash(k) % rate == 0`: sampled)."""
+    return ((hash(key) * _MIX) & _MASK) >> 40
+
+
 def key_sample(key: Hashable, rate: int) -> bool:
     """Deterministic spatial sampling: True for about one key in `rate`."""
     if rate <= 1:
         return True
-    return (((hash(key) * _MIX) & _MASK) >> 40) % rate == 0
+    return key_hash(key) % rate == 0
 
 
 @dataclass(frozen=True)
@@ -72,17 +83,53 @@ class GhostStats:
 
 def belady_hits(keys: Sequence[Hashable], capacity: int) -> list[bool]:
     """Offline Belady over `keys` with `capacity` slots (unit sizes): hit flag per access."""
+    return belady_run(keys, capacity)[0]
+
+
+def belady_run(keys: Sequence[Hashable], capacity: int) -> tuple[list[bool], list[float]]:
+    """Offline Belady over `keys` with `capacity` slots: (hit flag per access, position of each key's next access,
+    inf if none). Keys with no next access are evicted first (kept in a plain list, not the heap: which of them
+    goes first changes no hit)."""
     n = len(keys)
-    nxt = [math.inf] * n
+    inf = math.inf
+    nxt = [inf] * n
     last: dict[Hashable, int] = {}
     for i in range(n - 1, -1, -1):
-        nxt[i] = last.get(keys[i], math.inf)
-        last[keys[i]] = i
-    resident: dict[Hashable, float] = {}
-    heap: list[tuple[float, int, Hashable]] = []
+        k = keys[i]
+        nxt[i] = last.get(k, inf)
+        last[k] = i
     out = [False] * n
     if capacity <= 0:
-        return out
+        return out, nxt
+    resident: dict[Hashable, float] = {}
+    heap: list[tuple[float, int, Hashable]] = []
+    dead: list[Hashable] = []  # residents never used again (lazily invalidated)
+    push, pop = heapq.heappush, heapq.heappop
+    for i, k in enumerate(keys):
+        nu = nxt[i]
+        if k in resident:
+            out[i] = True
+        elif len(resident) >= capacity:
+            while dead:
+                v = dead.pop()
+                if resident.get(v) == inf:
+                    del resident[v]
+                    break
+            else:
+                while True:
+                    negn, _, v = pop(heap)
+                    if resident.get(v) == -negn:
+                        del resident[v]
+                        break
+        resident[k] = nu
+        if nu == inf:
+            dead.append(k)
+        else:
+            push(heap, (-nu, i, k))
+            if len(heap) > 4 * capacity + 64:
+                heap = [(-n_, j, kk) for j, (kk, n_) in enumerate(resident.items()) if n_ != inf]
+                heapq.heapify(heap)
+    return out, nxt
     for i, k in enumerate(keys):
         if k in resident:
             out[i] = True
@@ -97,11 +144,15 @@ def belady_hits(keys: Sequence[Hashable], capacity: int) -> list[bool]:
         if len(heap) > 4 * capacity + 64:
             heap = [(-n_, j, kk) for j, (kk, n_) in enumerate(resident.items())]
             heapq.heapify(heap)
-    return out
+    return out, nxt
+
+
+#: Called with (context, label, reuse time or None) for each labelled access.
+LabelSink = Callable[[Any, bool, "float | None"], None]
 
 
 class GhostBelady:
-    """Sampled sliding-window Belady that estimates P(hit | reuse-time bucket)."""
+    """Sampled sliding-window Belady that estimates P(hit | reuse-time bucket) and labels past accesses."""
 
     def __init__(
         self,
@@ -110,6 +161,8 @@ class GhostBelady:
         window: int = 16384,
         refresh: int = 2048,
         smoothing: float = 0.5,
+        label_sink: LabelSink | None = None,
+        min_label_horizon: float = 30.0,
     ) -> None:
         if window < 2 or refresh < 1:
             raise ValueError("ghost window must be >= 2 and refresh >= 1")
@@ -117,10 +170,16 @@ class GhostBelady:
         self.sample_rate = max(1, int(sample_rate))
         self.window = int(window)
         self.refresh = int(refresh)
+        #: sampled accesses before the first run (default: two refreshes' worth, or the window if smaller)
+        self.first_run = min(self.window, 2 * self.refresh)
         self.smoothing = smoothing
-        self._trace: deque[tuple[Hashable, float]] = deque(maxlen=self.window)
+        self.label_sink = label_sink
+        self.min_label_horizon = min_label_horizon
+        self.max_label_horizon = math.inf
+        self._trace: deque[list] = deque(maxlen=self.window)  # [key, time, context or None once labelled]
         self._since = 0
         self.runs = 0
+        self.labels = 0
         K = len(buckets)
         self._reuses = [0.0] * K
         self._hits = [0.0] * K
@@ -131,30 +190,50 @@ class GhostBelady:
     def memory_items(self) -> int:
         return len(self._trace)
 
-    def record(self, key: Hashable, now: float, capacity_blocks: int) -> bool:
-        """Record one access; reruns Belady every `refresh` sampled accesses. True when it reran."""
+    def record(self, key: Hashable, now: float, capacity_blocks: int, context: Any = None) -> bool:
+        """Record one access (with the context its label goes back to, if any); reruns Belady when due. True when
+        it reran."""
         if not key_sample(key, self.sample_rate):
             return False
-        self._trace.append((key, now))
+        return self.record_sampled(key, now, capacity_blocks, context)
+
+    def record_sampled(self, key: Hashable, now: float, capacity_blocks: int, context: Any = None) -> bool:
+        """`record` for a key the caller already knows is sampled (`key_sample(key, sample_rate)`)."""
+        self._trace.append([key, now, context])
         self._since += 1
-        if self._since >= self.refresh and len(self._trace) >= min(self.window, 2 * self.refresh):
+        if (len(self._trace) >= self.first_run if not self.runs
+                else self._since >= self.refresh and len(self._trace) >= min(self.window, 2 * self.refresh)):
             self._since = 0
             self.rerun(capacity_blocks)
             return True
         return False
 
+    def label_horizon(self) -> float:
+        """How old a sampled access is when it gets its label: the reuse time beyond which the optimum hardly hits
+        (hit_prob <= 2%), within [min_label_horizon, max_label_horizon], and at most half the time the window
+        spans (older accesses leave the window unlabelled)."""
+        h = self.buckets.horizon
+        for b, p in enumerate(self.hit_prob):
+            if p <= 0.02:
+                h = self.buckets.lower(b)
+                break
+        h = min(self.max_label_horizon, max(self.min_label_horizon, h))
+        if self._trace:
+            h = min(h, (self._trace[-1][1] - self._trace[0][1]) / 2)
+        return h
+
     def rerun(self, capacity_blocks: int) -> None:
         cap = max(1, int(round(capacity_blocks / self.sample_rate)))
         self.last_capacity = cap
         trace = list(self._trace)
-        keys = [k for k, _ in trace]
-        hits = belady_hits(keys, cap)
+        keys = [e[0] for e in trace]
+        hits, nxt = belady_run(keys, cap)
         K = len(self.buckets)
         reuses = [0.0] * K
         hit_n = [0.0] * K
         prev: dict[Hashable, float] = {}
         idx = self.buckets.index
-        for (k, t), h in zip(trace, hits):
+        for (k, t, _), h in zip(trace, hits):
             p = prev.get(k)
             prev[k] = t
             if p is None:
@@ -180,7 +259,29 @@ class GhostBelady:
                 cur = 0.0  # beyond what the window can show
             out.append(cur)
         self.hit_prob = out
+        if self.label_sink is not None and trace:
+            self._label(trace, hits, nxt)
         logger.debug("ghost belady run %d: cap=%d window=%d hit_prob=%s", self.runs, cap, len(trace), out)
+
+    def _label(self, trace: list[list], hits: list[bool], nxt: list[float]) -> None:
+        """Label the accesses that are `label_horizon()` old (each access once, all at the same age, so the
+        labels are not biased towards early reuses): True if the optimum hit the next access."""
+        sink = self.label_sink
+        cut = trace[-1][1] - self.label_horizon()
+        for i, e in enumerate(trace):
+            if e[1] > cut:
+                break
+            ctx = e[2]
+            if ctx is None:
+                continue
+            e[2] = None
+            self.labels += 1
+            j = nxt[i]
+            if j != math.inf:
+                j = int(j)
+                sink(ctx, hits[j], trace[j][1] - e[1])
+            else:
+                sink(ctx, False, None)
 
     def stats(self) -> GhostStats:
         return GhostStats(self.runs, len(self._trace), self.last_capacity, list(self._reuses), list(self._hits))

@@ -26,8 +26,8 @@ class Session:
     """One conversation, as the policy sees it. Also the eviction unit of its resident history chunks."""
 
     __slots__ = (
-        "sid", "depth", "chain_len", "first_key", "tail_keys", "last_time", "answer_tokens", "item", "keys",
-        "cls", "new_blocks", "lb", "g", "prev_gap", "__weakref__",
+        "sid", "depth", "chain_len", "first_key", "tail_keys", "last_time", "answer_tokens", "keys", "new_blocks",
+        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch", "__weakref__",
     )
 
     def __init__(self, sid: int, now: float) -> None:
@@ -38,13 +38,21 @@ class Session:
         self.tail_keys: tuple = ()
         self.last_time = now  #: arrival of the latest turn
         self.answer_tokens: int | None = None  #: answer of the latest turn (None while in flight)
-        self.item = None  #: the reuse-model item waiting for the next turn
         self.keys: OrderedDict[Key, int] = OrderedDict()  #: resident history chunks, prefix order -> size
-        self.cls = -1  #: eviction class (set by the policy)
-        self.g = None  #: the eviction group it is filed under (set by the policy)
-        self.lb = 0  #: reuse-time bucket the next turn cannot come before (answer-length lower bound)
         self.new_blocks = 0  #: keys the latest turn added to the chain (the user's new input, roughly)
         self.prev_gap: float | None = None  #: seconds between the two latest turns (None after a first turn)
+        # Set by the eviction policy:
+        self.turn = None  #: what the policy knows about the latest turn (its features)
+        self.item = None  #: the reuse-model item waiting for the next turn
+        self.cls = -1  #: row of the policy's score tables (its class, timed once the answer is known)
+        self.lb = 0  #: reuse-time bucket the next turn cannot come before (answer-length lower bound)
+        self.x: tuple | None = None  #: the reuse predictor's features of this wait
+        self.ver = 0  #: bumped whenever the policy re-scores the session (stale heap entries are skipped)
+        self.filed = False  #: has a live entry in the policy's eviction heap
+        self.nbytes = 0  #: total size of the resident history chunks (kept by the policy)
+        self.entry = None  #: its latest heap entry, with when it stops being current (the policy's)
+        self.until = 0.0
+        self.epoch = -1
 
     def __repr__(self) -> str:
         return f"Session(sid={self.sid}, depth={self.depth}, keys={len(self.keys)}, answer={self.answer_tokens})"
