@@ -4,12 +4,15 @@ the CLI end to end (table, JSON, PNG), the shipped demo slice, and the shared fu
 from __future__ import annotations
 
 import json
+import random
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 
 from kvtier.storage_backends.eviction import make_policy
-from kvtier.tools import vllm_offload
+from kvtier.storage_backends.ssd_index import SlotIndex
+from kvtier.tools import replay, vllm_offload
 from kvtier.tools.replay import ReplayClock, parse_capacity, replay_one, simulate
 from kvtier.tools.traces import TraceRequest, read_trace, recover_sessions, unique_blocks
 
@@ -33,6 +36,54 @@ def test_two_tier_replay_hand_computed():
     c = simulate(reqs_of(CHAINS), host, 3, clock=clock)
     assert c == {"accesses": 9, "host_hits": 2, "ssd_hits": 1, "misses": 6, "host_evictions": 4}
     assert sorted(host._order) == [1, 5, 6]
+
+
+def test_bounded_ssd_is_the_ssd_tiers_own_index(monkeypatch):
+    """A bounded SSD tier in the replay is `SlotIndex`, the production SSD tier's index: its counters match a
+    hand-written two-tier LRU model on a random trace, its invariants hold, and it really evicted."""
+    made: list[SlotIndex] = []
+
+    class Recorded(SlotIndex):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(replay, "SlotIndex", Recorded)
+    rng = random.Random(7)
+    # two hot blocks live in the host tier while the SSD tier's LRU order ages them out: inclusive drops happen
+    chains = [[rng.choice((0, 1)) if rng.random() < 0.5 else rng.randrange(2, 40) for _ in range(rng.randint(1, 6))]
+              for _ in range(300)]
+    clock = ReplayClock()
+    host, ssd = make_policy("lru", clock=clock), make_policy("lru", clock=clock)
+    got = simulate(reqs_of(chains), host, 3, ssd, 8, clock=clock)
+    [index] = made
+    index.check_invariants()
+    assert len(index) == 8 and index.stats.evictions > 100 and index.stats.hits == got["ssd_hits"]
+
+    h: OrderedDict[int, None] = OrderedDict()
+    d: OrderedDict[int, None] = OrderedDict()
+    want = dict.fromkeys(("accesses", "host_hits", "ssd_hits", "misses", "host_evictions"), 0)
+    for chain in chains:
+        for k in chain:
+            want["accesses"] += 1
+            if k in h:
+                want["host_hits"] += 1
+                h.move_to_end(k)
+                continue
+            if k in d:
+                want["ssd_hits"] += 1
+                d.move_to_end(k)
+            else:
+                want["misses"] += 1
+                if len(d) == 8:
+                    v, _ = d.popitem(last=False)
+                    h.pop(v, None)  # inclusive
+                d[k] = None
+            if len(h) == 3:
+                h.popitem(last=False)
+                want["host_evictions"] += 1
+            h[k] = None
+    assert got == want
 
 
 def test_inclusive_ssd_drops_host_copies():

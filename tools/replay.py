@@ -10,6 +10,8 @@ drops the host copy too. After the request, the policy hears `on_request_finishe
 `hit_rate` = host hits / block accesses; `ssd_hit_rate` = SSD hits (host misses found on SSD) / block accesses.
 With `score_from`, only requests from that time on are counted (earlier ones warm the tiers and the policies up).
 The same policy objects run in production tiers; Belady gets the future host-tier key sequence via `set_future`.
+A bounded SSD tier is the production SSD tier's own index (`SlotIndex`, one slot per block, no I/O): its slot
+allocation, generations and eviction calls are the ones `SSDTier` runs.
 `vllm-*` policies are vLLM's own CPU-offload manager, replayed by `kvtier.tools.vllm_offload` over the same model.
 """
 
@@ -31,6 +33,7 @@ from kvtier.storage_backends.eviction.base import (
     make_policy,
     production_policy_names,
 )
+from kvtier.storage_backends.ssd_index import ChunkMeta, SlotIndex
 from kvtier.tools import vllm_offload
 from kvtier.tools.traces import TraceRequest, read_trace, unique_blocks
 
@@ -140,9 +143,17 @@ def simulate(
     always = _always
     perf_ns = time.perf_counter_ns
     host_used = 0
-    ssd_set: set[int] = set()
-    ssd_used = 0
+    ssd_set: set[int] = set()  # an unbounded SSD tier: every block ever written
     bounded_ssd = ssd is not None and ssd_blocks is not None
+    index = ssd_index(ssd, ssd_blocks, clock) if bounded_ssd else None
+    if index is not None:
+        def inclusive(v, _nbytes: int, _reason: str) -> None:  # an SSD eviction takes the host copy too
+            nonlocal host_used
+            if v in host:
+                host.on_remove(v)
+                host_used -= 1
+
+        index.add_drop_listener(inclusive)
     accesses = host_hits = ssd_hits = misses = evictions = 0
     for r in reqs:
         clock.now = r.timestamp
@@ -155,23 +166,21 @@ def simulate(
                 host_hits += scored
                 host.on_access(k)
                 continue
-            if k in ssd_set:
+            if index is not None:
+                entries = index.begin_read((k,))
+                if entries[0] is not None:
+                    ssd_hits += scored
+                    index.end_read((k,), entries, (None,), (True,))  # the SSD policy hears the hit
+                else:
+                    misses += scored
+                    res = index.reserve()  # evicts by the SSD policy when the tier is full
+                    if res is None:
+                        raise RuntimeError(f"{ssd.name}: the SSD tier found no victim ({len(index)}/{ssd_blocks})")
+                    index.commit(k, res, _BLOCK, 1)
+            elif k in ssd_set:
                 ssd_hits += scored
-                if bounded_ssd:
-                    ssd.on_access(k)
             else:
                 misses += scored
-                if bounded_ssd:
-                    if ssd_used + 1 > ssd_blocks:
-                        for v in list(ssd.victims(ssd_used + 1 - ssd_blocks, always)):
-                            ssd.on_remove(v)
-                            ssd_set.discard(v)
-                            ssd_used -= 1
-                            if v in host:  # inclusive: the host copy goes too
-                                host.on_remove(v)
-                                host_used -= 1
-                    ssd.on_insert(k, 1)
-                    ssd_used += 1
                 ssd_set.add(k)
             if host_blocks <= 0:
                 continue
@@ -197,6 +206,16 @@ def simulate(
         "misses": misses,
         "host_evictions": evictions,
     }
+
+
+#: what the replay's SSD index records per block (one block = one slot; no bytes move)
+_BLOCK = ChunkMeta(1, (1,), "uint8", "block")
+
+
+def ssd_index(policy: EvictionPolicy, blocks: int, clock: Callable[[], float]) -> SlotIndex:
+    """The production SSD tier's index (`SlotIndex`: slots, generations, eviction through its policy) with one
+    slot per block and no I/O: the replay's SSD tier is the same object the SSD tier runs."""
+    return SlotIndex(blocks, policy, slot_size=1, pin_timeout_s=0.0, clock=clock)
 
 
 def _always(_key) -> bool:
