@@ -74,6 +74,8 @@ class _Req:
     recompute_ssd: bool = False  # its SSD part is recomputed (re-planned at an idle GPU)
     plan_key: tuple | None = None  # what `plan` was made from
     async_answer: bool = False  # the last get_num_new_matched_tokens answered "load asynchronously"
+    #: admitted with an asynchronous load: vLLM allocates for it once more (0 external tokens) when it resumes
+    reallocating: bool = False
     plan: LoadPlan | None = None
 
 
@@ -409,6 +411,10 @@ class SchedulerSide:
         st = self.reqs.get(request.request_id)
         if st is None:
             return
+        if st.reallocating:
+            st.reallocating = False
+            if num_external_tokens == 0:  # resumed after its asynchronous load: admitted (and counted) already
+                return
         if num_external_tokens > 0 and st.pending_load is not None:
             gpu_cached, load_end = st.pending_load
             block_ids = list(blocks.get_block_ids()[0])
@@ -420,7 +426,7 @@ class SchedulerSide:
                             load_end, is_async=is_async)
             if is_async:  # vLLM parks the request (WAITING_FOR_REMOTE_KVS): its blocks are final now
                 self._async_loads.append(spec)
-                st.loading = True
+                st.loading = st.reallocating = True
                 self.counters["async_loads"] += 1
             else:
                 st.load_spec = spec

@@ -314,6 +314,7 @@ def test_async_load_parks_the_request_and_a_pending_save_keeps_its_blocks(reques
     report(sched, out, recving=["host"])
     out = sched.schedule()
     assert out.num_scheduled_tokens["host"] == 200 - 64  # resumes after the 64 loaded tokens
+    assert [a[1] for a in conn.scheduler_side.admitted] == [64]  # admitted once (vLLM allocates again on resume)
     saves = [s for s in out.kv_connector_metadata.saves if s.req_id == "host"]
     assert [(s.skip, len(s.token_ids)) for s in saves] == [(64, 192)]
     report(sched, out)  # the save is not reported done yet
