@@ -80,11 +80,12 @@ class ConnectorOptions:
     #: not at all); the other loads run off the step (the request waits in WAITING_FOR_REMOTE_KVS while the others
     #: keep running). 0: every load off the step (README: measured)
     sync_load_budget_tokens: int = 0
-    #: testing only: asynchronous loads / saves of requests whose id starts with `debug_hold_request_prefix` wait
-    #: this many engine steps on the transfer thread before they run (a held-back tier read, a slow copy)
+    #: testing only: asynchronous loads / saves of requests whose id starts with `debug_hold_request_prefix` (one
+    #: prefix or a list) wait this many engine steps on the transfer thread before they run (a held-back tier
+    #: read, a slow copy)
     debug_load_hold_steps: int = 0
     debug_save_hold_steps: int = 0
-    debug_hold_request_prefix: str = ""
+    debug_hold_request_prefix: str | list[str] = ""
 
     @classmethod
     def parse(cls, raw: Any) -> "ConnectorOptions":
@@ -118,7 +119,8 @@ class ConnectorOptions:
                 raise ConfigError(f"{CONNECTOR_KEY}.{name} must be an integer >= 0, got {v!r}" + (
                     " (0: every load off the engine step; a huge value: every load inside it)"
                     if name == "sync_load_budget_tokens" else ""))
-        if not isinstance(out.debug_hold_request_prefix, str):
+        p = out.debug_hold_request_prefix
+        if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(x, str) for x in p))):
             raise ConfigError(f"{CONNECTOR_KEY}.debug_hold_request_prefix must be a string, got "
                               f"{out.debug_hold_request_prefix!r}")
         return out

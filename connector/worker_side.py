@@ -350,7 +350,8 @@ class WorkerSide:
 
     def _hold(self, req_id: str, steps: int) -> int:
         """Testing only: engine steps a job of `req_id` waits before it runs."""
-        return steps if steps > 0 and req_id.startswith(self.cfg.options.debug_hold_request_prefix) else 0
+        p = self.cfg.options.debug_hold_request_prefix
+        return steps if steps > 0 and req_id.startswith(p if isinstance(p, str) else tuple(p)) else 0
 
     def start_load(self) -> None:
         md = self._metadata
