@@ -2,12 +2,14 @@
 
     .venv/bin/python benchmarks/async_saves.py [--rounds 5] [--prompts 8] [--prompt-tokens 512] [--max-tokens 32]
 
-Three engines of the same tiny random Llama (no download), one after the other, identical vLLM settings:
+Three engines of the same tiny random Llama (no download), each in its own process, identical vLLM settings:
 `base` (no connector), `sync` (kvtier, `async_saves: false`: each step copies its new chunks into the host tier
 before it returns) and `async` (kvtier's default: the copies run on the worker's transfer thread while the next
-steps run). Every round submits `--prompts` new random prompts (no prefix is ever reused, so kvtier can only
-cost), after one warm-up round. Printed per engine: the median over rounds of output tokens/s and of the round's
-wall time, and the ratios sync/base, async/base and async/sync (throughput; > 1 is faster).
+steps run). All three are started first; then rounds are interleaved (one engine busy at a time, the order rotating
+from round to round) so a drifting, shared machine hits each alike. Every round submits `--prompts`
+new random prompts (no prefix is ever reused, so kvtier can only cost), after one warm-up round per engine.
+Printed per engine: the median over rounds of output tokens/s and of the round's wall time, and the medians of
+the per-round ratios sync/base, async/base and async/sync (throughput; > 1 is faster).
 """
 
 from __future__ import annotations
@@ -46,16 +48,16 @@ def main():
               max_model_len=2048, enable_prefix_caching=False, max_num_seqs=a["prompts"], seed=0, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=True)
     rng = random.Random(a["seed"])
-    rounds = []
+    print("ready", flush=True)
     for r in range(a["rounds"] + 1):  # round 0 warms up
+        sys.stdin.readline()  # the driver's go
         prompts = [{"prompt_token_ids": [rng.randrange(1, 1000) for _ in range(a["prompt_tokens"])]}
                    for _ in range(a["prompts"])]
         t0 = time.perf_counter()
         out = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
-        if r:
-            rounds.append({"seconds": dt, "output_tokens": sum(len(o.outputs[0].token_ids) for o in out)})
-    open(a["out"], "w").write(json.dumps(rounds))
+        print(json.dumps({"seconds": dt, "output_tokens": sum(len(o.outputs[0].token_ids) for o in out)}),
+              flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -77,20 +79,27 @@ def ktc(work: Path, async_saves: bool) -> dict:
                                           "kvtier.connector": {"async_saves": async_saves}}}
 
 
-def run(work: Path, name: str, args: argparse.Namespace, model: Path, ktc_: dict | None) -> list[dict]:
+def start(work: Path, name: str, args: argparse.Namespace, model: Path, ktc_: dict | None) -> subprocess.Popen:
     script = work / "engine.py"
     script.write_text(ENGINE_SCRIPT)
     spec = {"model": str(model), "ktc": ktc_, "rounds": args.rounds, "prompts": args.prompts,
-            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "seed": args.seed,
-            "out": str(work / f"{name}.json")}
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "seed": args.seed}
     (work / f"{name}.args.json").write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", LMCACHE_TRACK_USAGE="false",
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    p = subprocess.run([sys.executable, str(script), str(work / f"{name}.args.json")], cwd=work, env=env,
-                       capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{(p.stdout + p.stderr)[-4000:]}")
-    return json.loads((work / f"{name}.json").read_text())
+    return subprocess.Popen([sys.executable, str(script), str(work / f"{name}.args.json")], cwd=work, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(work / f"{name}.log", "w"),
+                            text=True)
+
+
+def read_line(name: str, p: subprocess.Popen, work: Path) -> str:
+    """The engine's next protocol line ("ready" or a round's JSON), skipping anything else it printed."""
+    while True:
+        line = p.stdout.readline()
+        if not line:
+            raise SystemExit(f"{name} stopped:\n{(work / f'{name}.log').read_text()[-4000:]}")
+        if line.startswith("ready") or line.startswith("{"):
+            return line
 
 
 def main() -> None:
@@ -106,17 +115,42 @@ def main() -> None:
         work = Path(tmp)
         model = work / "model"
         subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True)
-        res = {"base": run(work, "base", args, model, None),
-               "sync": run(work, "sync", args, model, ktc(work, False)),
-               "async": run(work, "async", args, model, ktc(work, True))}
+        procs = {"base": start(work, "base", args, model, None),
+                 "sync": start(work, "sync", args, model, ktc(work, False)),
+                 "async": start(work, "async", args, model, ktc(work, True))}
+        res: dict[str, list[dict]] = {k: [] for k in procs}
+        try:
+            for k, p in procs.items():
+                read_line(k, p, work)
+            names = list(procs)
+            for r in range(args.rounds + 1):
+                for k in names[r % 3:] + names[:r % 3]:  # each engine goes first in every third round
+                    p = procs[k]
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                    rec = json.loads(read_line(k, p, work))
+                    if r:
+                        res[k].append(rec)
+            for p in procs.values():
+                p.stdin.close()
+                p.wait(timeout=120)
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
     med = {k: {"tok_s": statistics.median(r["output_tokens"] / r["seconds"] for r in v),
                "round_s": statistics.median(r["seconds"] for r in v)} for k, v in res.items()}
     print(f"workload: {args.rounds} rounds x {args.prompts} new prompts of {args.prompt_tokens} tokens, "
           f"{args.max_tokens} output tokens each (no reuse)")
     for k, m in med.items():
         print(f"  {k:5s}: {m['tok_s']:8.1f} output tok/s (median), round {m['round_s']:.2f} s")
+    def tps(r: dict) -> float:
+        return r["output_tokens"] / r["seconds"]
+
     for a, b in (("sync", "base"), ("async", "base"), ("async", "sync")):
-        print(f"  {a}/{b} throughput: {med[a]['tok_s'] / med[b]['tok_s']:.3f}")
+        ratio = statistics.median(tps(x) / tps(y) for x, y in zip(res[a], res[b]))
+        med[f"{a}/{b}"] = ratio
+        print(f"  {a}/{b} throughput: {ratio:.3f} (median of per-round ratios)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": res, "medians": med, "args": vars(args)}, indent=1))
 
