@@ -8,7 +8,9 @@ before it returns) and `async` (kvtier's default: the copies run on the worker's
 steps run). All three are started first; then rounds are interleaved (one engine busy at a time, the order rotating
 from round to round) so a drifting, shared machine hits each alike. Every round submits `--prompts`
 new random prompts (no prefix is ever reused, so kvtier can only cost), after one warm-up round per engine.
-Printed per engine: the median over rounds of output tokens/s and of the round's wall time, and the medians of
+After each round an engine's queued saves and SSD writes are flushed (outside its timed part, so deferred work
+never runs during another engine's round; the time until they landed is printed too). Printed per engine: the
+median over rounds of output tokens/s and of the round's wall time, and the medians of
 the per-round ratios sync/base, async/base and async/sync (throughput; > 1 is faster).
 """
 
@@ -56,8 +58,11 @@ def main():
         t0 = time.perf_counter()
         out = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
-        print(json.dumps({"seconds": dt, "output_tokens": sum(len(o.outputs[0].token_ids) for o in out)}),
-              flush=True)
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        if conn is not None:  # the round's queued saves and SSD writes land before the next engine's round
+            conn.scheduler_side.client.call({"op": "flush", "timeout": 120})
+        print(json.dumps({"seconds": dt, "drained_seconds": time.perf_counter() - t0,
+                          "output_tokens": sum(len(o.outputs[0].token_ids) for o in out)}), flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -139,11 +144,13 @@ def main() -> None:
                 if p.poll() is None:
                     p.kill()
     med = {k: {"tok_s": statistics.median(r["output_tokens"] / r["seconds"] for r in v),
-               "round_s": statistics.median(r["seconds"] for r in v)} for k, v in res.items()}
+               "round_s": statistics.median(r["seconds"] for r in v),
+               "drained_s": statistics.median(r["drained_seconds"] for r in v)} for k, v in res.items()}
     print(f"workload: {args.rounds} rounds x {args.prompts} new prompts of {args.prompt_tokens} tokens, "
           f"{args.max_tokens} output tokens each (no reuse)")
     for k, m in med.items():
-        print(f"  {k:5s}: {m['tok_s']:8.1f} output tok/s (median), round {m['round_s']:.2f} s")
+        print(f"  {k:5s}: {m['tok_s']:8.1f} output tok/s (median), round {m['round_s']:.2f} s, "
+              f"{m['drained_s']:.2f} s until its saves and SSD writes landed")
     def tps(r: dict) -> float:
         return r["output_tokens"] / r["seconds"]
 
