@@ -9,12 +9,16 @@
 #      skipped cleanly when unavailable).
 #   3. summary: medians, ratios a/d, a/b, a/c, targets.
 #   4. SLOT for the SSD tier's kvikio SSD->GPU read check (below).
+#   5. transfer overlap (#14): a forward-like bf16 matmul step loop alone, with a concurrent page-first load
+#      (per-page copy_) on a copy stream, and with the Triton scatter kernel on a copy stream: step slowdown,
+#      load GB/s, overlap factor, pages bit-exact after the overlapped loads (benchmarks/transfer_overlap.py).
 #
 # Needs python with CUDA torch + triton only (no vLLM, no LMCache). kvtier is imported from this checkout
 # through a temporary directory holding a symlink named `kvtier` (the repo root is never put on sys.path).
 #
 #   bash benchmarks/gpu_check.sh                 # results in $OUT (device machine) or ./out/gpu_check
 #   PYTHON=python3.12 MIB=256 bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh --dry-run       # no GPU: runs the CPU-checkable parts (tiny shapes, torch path)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +34,15 @@ trap 'rm -rf "$SHIM"' EXIT
 
 START=$SECONDS
 log() { echo "[gpu_check +$((SECONDS - START))s] $*"; }
+
+if [ "${1:-}" = "--dry-run" ]; then
+  log "dry run (CPU): kernel benchmark smoke, transfer overlap dry run"
+  "$PY" "$ROOT/benchmarks/gather_kernel.py" --smoke --methods check,a,b,d --json "$OUTDIR/kernel-dry.json" \
+    > "$OUTDIR/kernel-dry.log" 2>&1 || { log "gather_kernel.py --smoke failed:"; tail -n 20 "$OUTDIR/kernel-dry.log"; exit 1; }
+  "$PY" "$ROOT/benchmarks/transfer_overlap.py" --dry-run --json "$OUTDIR/overlap-dry.json" || exit 1
+  log "dry run done; results in $OUTDIR"
+  exit 0
+fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv 2>/dev/null || true
 if ! "$PY" -c "import torch, triton, kvtier.kernels as k; assert torch.cuda.is_available(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'kvtier.kernels OK')"; then
@@ -65,5 +78,8 @@ fi
 log "4/4 kvikio SSD->GPU"
 timeout 90 "$PY" "$ROOT/benchmarks/kvikio_read.py" --json "$OUTDIR/ssd.json" 2>&1 | tee "$OUTDIR/ssd.log"
 # ======================================================================================================
+
+log "5/5 transfer overlap (forward-like steps with a concurrent load on a copy stream)"
+timeout 120 "$PY" "$ROOT/benchmarks/transfer_overlap.py" --json "$OUTDIR/overlap.json" 2>&1 | tee "$OUTDIR/overlap.log"
 
 log "done; results in $OUTDIR"

@@ -54,6 +54,18 @@ class ConnectorOptions:
     prefetch_timeout_s: float = 120.0
     #: testing only: every prefetch sleeps this long first (simulates a slow SSD)
     debug_prefetch_delay_s: float = 0.0
+    #: saves (GPU -> host tier) run off the engine step on the worker's transfer thread; false: inside the step
+    async_saves: bool = True
+    #: tokens that may load inside one engine step, before its forward pass (one request's load fits whole or
+    #: not at all); the other loads run off the step (the request waits in WAITING_FOR_REMOTE_KVS while the others
+    #: keep running). 0: every load off the step (README: measured)
+    sync_load_budget_tokens: int = 0
+    #: testing only: asynchronous loads / saves of requests whose id starts with `debug_hold_request_prefix` (one
+    #: prefix or a list) wait this many engine steps on the transfer thread before they run (a held-back tier
+    #: read, a slow copy)
+    debug_load_hold_steps: int = 0
+    debug_save_hold_steps: int = 0
+    debug_hold_request_prefix: str | list[str] = ""
 
     @classmethod
     def parse(cls, raw: Any) -> "ConnectorOptions":
@@ -76,8 +88,21 @@ class ConnectorOptions:
         for name in ("rpc_timeout_s", "prefetch_timeout_s", "debug_prefetch_delay_s"):
             v = getattr(out, name)
             number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if not number or v < 0 or (v == 0 and name != "debug_prefetch_delay_s"):
-                raise ConfigError(f"{CONNECTOR_KEY}.{name} must be a number > 0, got {v!r}")
+            if not number or v < 0 or (v == 0 and not name.startswith("debug_")):
+                raise ConfigError(f"{CONNECTOR_KEY}.{name} must be a number {'>=' if name.startswith('debug_') else '>'}"
+                                  f" 0, got {v!r}")
+        if not isinstance(out.async_saves, bool):
+            raise ConfigError(f"{CONNECTOR_KEY}.async_saves must be true or false, got {out.async_saves!r}")
+        for name in ("sync_load_budget_tokens", "debug_load_hold_steps", "debug_save_hold_steps"):
+            v = getattr(out, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{CONNECTOR_KEY}.{name} must be an integer >= 0, got {v!r}" + (
+                    " (0: every load off the engine step; a huge value: every load inside it)"
+                    if name == "sync_load_budget_tokens" else ""))
+        p = out.debug_hold_request_prefix
+        if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(x, str) for x in p))):
+            raise ConfigError(f"{CONNECTOR_KEY}.debug_hold_request_prefix must be a string, got "
+                              f"{out.debug_hold_request_prefix!r}")
         return out
 
 

@@ -6,8 +6,11 @@
 
 One class, two roles (vLLM builds one instance per role): the scheduler role delegates to `SchedulerSide`
 (tier hints, eager SSD prefetch, load/save planning), the worker role to `WorkerSide` (an LMCache engine with
-kvtier's SSD tier and page-first GPU connector). Configuration and versions are checked in the constructor, so a
-bad setting stops the engine at start.
+kvtier's SSD tier and page-first GPU connector). Loads and saves use vLLM's asynchronous protocol: large loads park
+their request in WAITING_FOR_REMOTE_KVS until `get_finished` reports them, saves run on the worker's transfer
+thread (`connector/transfers.py`), finished requests keep their blocks until their saves are done
+(`request_finished` -> delay_free_blocks), preempted requests' saves finish in `handle_preemptions`.
+Configuration and versions are checked in the constructor, so a bad setting stops the engine at start.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvtier.connector import metrics_export
 from kvtier.connector.config import check_versions, load_connector_config
-from kvtier.connector.messages import KVTierConnectorMetadata
+from kvtier.connector.messages import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.connector.metrics import KVTierConnectorStats, KVTierPromMetrics
 
 if TYPE_CHECKING:
@@ -78,22 +81,39 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.worker_side is not None:
             self.worker_side.clear()
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if self.worker_side is not None:
+            self.worker_side.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.worker_side is not None:
             self.worker_side.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete in start_load_kv (host memory -> KV cache, one batch)
+        return None  # synchronous loads complete in start_load_kv (host memory -> KV cache, one batch)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # saves run once per step in wait_for_save
+        return None  # saves are queued once per step in wait_for_save
 
     def wait_for_save(self) -> None:
         if self.worker_side is not None:
             self.worker_side.wait_for_save()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker_side is None:
+            return None, None
+        return self.worker_side.get_finished(finished_req_ids)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors() if self.worker_side is not None else set()
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        return self.worker_side.build_worker_meta() if self.worker_side is not None else None
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep mode is about to release the KV cache: no transfer may touch it afterwards."""
+        if self.worker_side is not None and self.worker_side.transfers is not None:
+            self.worker_side.transfers.drain()
 
     def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
         """Both roles: the worker's interval counters (vLLM's log line), plus this process's kvtier series
@@ -139,6 +159,13 @@ class KVTierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
         assert self.scheduler_side is not None
         return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_connector_output(connector_output)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler_side.has_pending_block_frees() if self.scheduler_side is not None else False
 
     def on_new_request(self, request: Any) -> None:
         if self.scheduler_side is not None:

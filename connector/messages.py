@@ -1,8 +1,11 @@
 """Typed data that crosses the connector's boundaries.
 
 Scheduler -> worker travels inside vLLM's per-step connector metadata (`KVTierConnectorMetadata`, pickled by vLLM
-when scheduler and worker are different processes): KV to load, KV to save, and finished requests (answer-length
-feedback for the storage side's eviction policy). Scheduler <-> storage lookups and prefetch commands travel over
+when scheduler and worker are different processes): KV to load (synchronously in the step, or asynchronously: the
+request waits in vLLM's WAITING_FOR_REMOTE_KVS state), KV to save (asynchronous by default: each save is a job
+whose completion the worker reports back in `KVTierWorkerMetadata`), requests preempted this step (their saves
+must finish before their blocks are reused), finished requests whose blocks vLLM keeps until their saves are done,
+and finished requests (answer-length feedback for the storage side's eviction policy). Scheduler <-> storage lookups and prefetch commands travel over
 the connector's own RPC (`kvtier.connector.rpc`) as `LookupResult` / `PrefetchResult` dictionaries.
 """
 
@@ -11,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,8 @@ class LoadSpec:
     block_ids: list[int]  # the request's blocks, in token order
     gpu_cached: int  # tokens already in vLLM's GPU cache (block aligned); left untouched
     load_end: int  # chunk-aligned end of the hit
+    #: loaded off the step: the request waits in WAITING_FOR_REMOTE_KVS until the worker reports it finished
+    is_async: bool = False
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,8 @@ class SaveSpec:
     token_ids: list[int]  # the first `save_end` tokens (a multiple of the chunk size)
     block_ids: list[int]
     skip: int  # chunk-aligned prefix already stored
+    #: names the save in `KVTierWorkerMetadata.completed_saves` (unique per engine)
+    job_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,9 +60,27 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     finished: list[FinishedSpec] = field(default_factory=list)
+    #: preempted this step: their saves in flight finish before this step's forward pass (`handle_preemptions`)
+    preempted: list[str] = field(default_factory=list)
+    #: finished requests whose blocks vLLM keeps (delay_free_blocks) until the worker reports their saves done
+    held: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.finished)
+        return not (self.loads or self.saves or self.finished or self.preempted or self.held)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step: save jobs that finished on this rank (or, aggregated over ranks, how
+    many ranks finished each). A save counts as done when every rank reported it: its chunks are stored (or the
+    store failed: a future miss), and its blocks are no longer read."""
+
+    completed_saves: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
+        for job, n in getattr(other, "completed_saves", {}).items():
+            self.completed_saves[job] = self.completed_saves.get(job, 0) + n
+        return self
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The connector's metrics: Prometheus series (process-wide) and `KVTierConnectorStats` for vLLM's stats path.
 
-Scheduler side: hit tokens per tier at admission, prefetch queue depth and wait. Worker side: load/save/prefetch
-latency and bytes, blocks reported as load errors. The SSD tier's own series
+Scheduler side: hit tokens per tier at admission, prefetch queue depth and wait, delayed block frees. Worker side:
+load/save/prefetch latency and bytes, loads by mode (inside or off the step), transfers in flight and their queueing,
+preemption flushes, blocks reported as load errors. The SSD tier's own series
 (`kvtier_ssd_*`, incl. corrupt-chunk drops) come from `kvtier.storage_backends.metrics`.
 
 `KVTierConnectorStats` carries the interval's counters for vLLM's "KV Transfer metrics" log line and, under
@@ -50,11 +51,24 @@ LOAD_BYTES = counter("kvtier_connector_load_bytes_total", "Bytes loaded into vLL
 SAVE_BYTES = counter("kvtier_connector_save_bytes_total", "Bytes saved from vLLM's KV cache")
 LOAD_ERROR_BLOCKS = counter("kvtier_connector_load_error_blocks_total",
                             "KV blocks that failed to load and were handed back to vLLM for recomputation")
+LOADS = counter("kvtier_connector_loads_total",
+                "Loads into vLLM's KV cache by how they ran: inside the engine step (sync) or off it (async)", ["mode"])
+TRANSFERS_INFLIGHT = gauge("kvtier_connector_transfers_inflight",
+                           "Loads and saves queued or running on the worker's transfer thread", ["op"])
+TRANSFER_QUEUE_SECONDS = histogram("kvtier_connector_transfer_queue_seconds",
+                                   "From a load's or save's submission to the end of its run on the transfer thread",
+                                   buckets=_LAT, labelnames=["op"])
+DELAYED_FREES = counter("kvtier_connector_delayed_frees_total",
+                        "Finished requests whose blocks vLLM kept (delay_free_blocks) until their saves were done")
+PREEMPTION_FLUSHES = counter("kvtier_connector_preemption_flushes_total",
+                             "Preempted requests whose saves in flight finished before their blocks were reused")
+PREEMPTION_FLUSH_SECONDS = histogram("kvtier_connector_preemption_flush_seconds",
+                                     "Time the step waited for preempted requests' saves in flight", buckets=_LAT)
 FEEDBACK = counter("kvtier_connector_answer_feedback_total",
                    "Finished requests whose answer length reached the eviction policy")
 
 _SUM_KEYS = ("loads", "loaded_tokens", "load_seconds", "saves", "saved_tokens", "save_seconds", "load_error_blocks",
-             "prefetches", "prefetched_tokens", "prefetch_seconds", "feedback")
+             "prefetches", "prefetched_tokens", "prefetch_seconds", "feedback", "async_loads", "preemption_flushes")
 
 
 @dataclass
@@ -91,7 +105,7 @@ class KVTierConnectorStats(KVConnectorStats):
         out: dict[str, int | float] = {
             "kvtier_loads": int(d["loads"]), "kvtier_loaded_tokens": int(d["loaded_tokens"]),
             "kvtier_saved_tokens": int(d["saved_tokens"]), "kvtier_prefetched_tokens": int(d["prefetched_tokens"]),
-            "kvtier_load_error_blocks": int(d["load_error_blocks"]),
+            "kvtier_load_error_blocks": int(d["load_error_blocks"]), "kvtier_async_loads": int(d["async_loads"]),
         }
         if d["loads"]:
             out["kvtier_avg_load_ms"] = round(1000 * d["load_seconds"] / d["loads"], 3)

@@ -5,10 +5,21 @@
 - Prefetches are issued at most `prefetch_concurrency` at a time, in disk-HRRN order (the scheduling policy's
   `next_prefetch` when kvtier's dual-queue scheduler hands its policy over, else a local `DiskHRRNQueue`).
 - `get_num_new_matched_tokens` answers `None` while the request's SSD data is being prefetched (the request waits
-  without GPU blocks; others run), then the host-resident prefix (chunk-aligned) beyond vLLM's own cache hit.
-- `build_connector_meta` turns admitted loads, newly completed chunks and finished requests (answer length and
-  token chain) into the step's `KVTierConnectorMetadata`.
-- Hints count `inflight_tokens`: an admitted request's prompt chunks are *computing* until it saves them; a
+  without GPU blocks; others run), then the host-resident prefix (chunk-aligned) beyond vLLM's own cache hit:
+  `(n, False)` (loaded inside the step, before its forward pass) while the step's `sync_load_budget_tokens` has
+  room for it, else `(n, True)` (the request waits in WAITING_FOR_REMOTE_KVS holding its blocks while the worker
+  loads it off the step).
+- Load or recompute: with kvtier's dual-queue scheduler the hints carry the policy planner's `LoadPlan`
+  (`derive_tier_hint(..., planner=policy.planner)`; re-planned when the request's residency or prefetch phase
+  changes, not every step). An SSD part the plan recomputes is not prefetched and only the host prefix is
+  matched; on a step where nothing runs or is admitted, `policy.replan_idle` may recompute the SSD part of a
+  request still waiting for its read. Prefetch byte counts and durations calibrate the planner's SSD bandwidth.
+- `build_connector_meta` turns admitted loads, newly completed chunks (save jobs, numbered), requests preempted
+  this step, finished requests whose blocks are held, and finished requests (answer length and token chain) into
+  the step's `KVTierConnectorMetadata`. `update_connector_output` collects the save jobs the workers finished.
+- `request_finished` keeps a finished request's blocks (delay_free_blocks) while one of its saves is not done;
+  the worker reports it in `finished_sending` once they are.
+- Hints count `inflight_tokens`: an admitted request's prompt chunks are *computing* until their save is done; a
   waiting request whose prefix continues into them sees them in flight (kvtier's dual-queue policy defers it
   rather than recomputing them: while the policy `holds` it, `get_num_new_matched_tokens` answers "not yet").
 """
@@ -28,6 +39,7 @@ from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.messages import (
     FinishedSpec,
     KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
     LoadSpec,
     LookupResult,
     PrefetchResult,
@@ -36,6 +48,7 @@ from kvtier.connector.messages import (
 from kvtier.connector.rpc import RPCClient, RPCError, endpoint
 from kvtier.scheduler_hooks.hint_derivation import count_inflight, derive_tier_hint
 from kvtier.scheduler_hooks.hrrn import DiskHRRNQueue
+from kvtier.scheduler_hooks.load_plan import LoadAction, LoadPlan, PlanContext
 from kvtier.scheduler_hooks.tier_hint import TierHint
 
 logger = logging.getLogger(__name__)
@@ -57,6 +70,27 @@ class _Req:
     computed: int = 0
     saved_upto: int = 0
     chunk_keys: list[int] | None = None  # one key per full prompt chunk, naming the prefix up to its end
+    pending_saves: set[int] = field(default_factory=set)  # save jobs issued and not reported done by every rank
+    loading: bool = False  # an asynchronous load is in flight (vLLM frees its blocks when it ends)
+    recompute_ssd: bool = False  # its SSD part is recomputed (re-planned at an idle GPU)
+    plan_key: tuple | None = None  # what `plan` was made from
+    async_answer: bool = False  # the last get_num_new_matched_tokens answered "load asynchronously"
+    #: admitted with an asynchronous load: vLLM allocates for it once more (0 external tokens) when it resumes
+    reallocating: bool = False
+    plan: LoadPlan | None = None
+
+
+class _FixedPlan:
+    """Hands `derive_tier_hint` a plan already made (a re-derived hint whose inputs did not change keeps its
+    decision instead of counting a new one)."""
+
+    __slots__ = ("_plan",)
+
+    def __init__(self, plan: LoadPlan) -> None:
+        self._plan = plan
+
+    def plan(self, **_: Any) -> LoadPlan:
+        return self._plan
 
 
 def prefix_chunk_keys(tokens: Any, chunk: int) -> list[int]:
@@ -93,7 +127,17 @@ class SchedulerSide:
         #: recent admissions (first prompt tokens, tokens loaded, of which from SSD), oldest first
         self.admitted: collections.deque[tuple[list[int], int, int]] = collections.deque(maxlen=4096)
         self.counters = {"lookups": 0, "rpc_errors": 0, "prefetches": 0, "prefetch_failures": 0, "none_answers": 0,
-                         "delay_hit_waits": 0}
+                         "delay_hit_waits": 0, "async_loads": 0, "sync_loads": 0, "delayed_frees": 0,
+                         "plan_recompute_ssd": 0, "idle_replans": 0, "ssd_observations": 0,
+                         "steps_during_async_loads": 0, "tokens_during_async_loads": 0}
+        self.world = world
+        #: save job -> (request, end of the chunks it stores, ranks that reported it done)
+        self._save_jobs: dict[int, list] = {}
+        self._job_seq = 0
+        self._async_loads: list[LoadSpec] = []  # allocated this step, go out with the next metadata
+        self._held_new: list[str] = []  # delay-freed since the last metadata
+        self._held: set[str] = set()  # delay-freed, not reported in finished_sending yet
+        self._sync_budget_used = 0  # tokens answered "load inside the step" since the last metadata
 
     # ------------------------------------------------------------------ hints
     def set_scheduling_policy(self, policy: Any) -> None:
@@ -133,19 +177,60 @@ class SchedulerSide:
         for key in self._keys(st)[start // self.chunk:]:
             self.computing.setdefault(key, rid)
 
-    def _computed_upto(self, st: _Req, end: int | None = None) -> None:
-        """`st`'s prompt chunks below token `end` (all of them if None) are saved or abandoned."""
+    def _computed_upto(self, st: _Req, end: int | None = None, start: int = 0) -> None:
+        """`st`'s prompt chunks in tokens [start, end) (to the end if None) are saved or abandoned."""
         rid = st.request.request_id
         keys = self._keys(st)
-        for key in keys[:len(keys) if end is None else end // self.chunk]:
+        for key in keys[start // self.chunk:len(keys) if end is None else end // self.chunk]:
             if self.computing.get(key) == rid:
                 del self.computing[key]
 
+    def _planner(self) -> Any:
+        return getattr(self.policy, "planner", None)
+
+    def _residency(self, st: _Req) -> LookupResult:
+        """The lookup the hint is derived from: without its SSD part once that is to be recomputed."""
+        r = st.lookup
+        if st.recompute_ssd and r.ssd_tokens:
+            return LookupResult(r.host_end, r.host_end, 0, 0, r.chunk_size)
+        return r
+
+    def _plan_context(self, rid: str) -> PlanContext:
+        """What the policy knows of the engine: ready work queued ahead (the GPU wait; vLLM's running requests are
+        not counted) and SSD reads queued ahead."""
+        pol, planner = self.policy, self._planner()
+        ssd_ahead = pol.ssd_backlog_bytes(rid) if hasattr(pol, "ssd_backlog_bytes") else 0
+        estimate = getattr(pol, "gpu_wait_estimate", None)
+        return PlanContext(gpu_wait_s=pol.gpu_backlog_s(rid) if hasattr(pol, "gpu_backlog_s") else 0.0,
+                           gpu_wait_fn=(lambda service: estimate(service, rid)) if estimate is not None else None,
+                           ssd_wait_s=ssd_ahead / planner.cost.ssd_read_bytes_per_s)
+
     def _publish(self, st: _Req) -> TierHint:
-        hint = derive_tier_hint(st.request.request_id, st.arrival, gpu_tokens=st.gpu_tokens, residency=st.lookup,
-                                prefetch=st.prefetch, prompt_tokens=int(st.request.num_prompt_tokens))
-        self.hints[st.request.request_id] = hint
+        rid = st.request.request_id
+        res = self._residency(st)
+        planner = self._planner()
+        plan_src = None
+        if planner is not None:
+            # the SSD read's phase matters to the plan only once it has landed (or failed)
+            landed = st.prefetch in ("done", "failed")
+            key = (st.gpu_tokens, res, landed)
+            plan_src = _FixedPlan(st.plan) if key == st.plan_key and st.plan is not None else planner
+            st.plan_key = key
+        hint = derive_tier_hint(rid, st.arrival, gpu_tokens=st.gpu_tokens, residency=res,
+                                prefetch="none" if st.recompute_ssd else st.prefetch,
+                                prompt_tokens=int(st.request.num_prompt_tokens), planner=plan_src,
+                                context=self._plan_context(rid) if plan_src is planner and planner is not None
+                                else None)
+        st.plan = hint.plan
+        self.hints[rid] = hint
+        if hint.plan is not None and hint.plan.ssd is LoadAction.RECOMPUTE and st.prefetch == "queued":
+            st.prefetch = "none"  # no longer worth its read
+            self.hrrn.remove(rid)
         return hint
+
+    def _wants_ssd(self, st: _Req, hint: TierHint) -> bool:
+        """Whether the request should wait for its SSD part (prefetch) rather than recompute it."""
+        return st.lookup.ssd_tokens > 0 and not st.recompute_ssd and (hint.plan is None or hint.plan.waits_for_ssd)
 
     def _lookup(self, st: _Req, tokens: list[int], pin: bool, first: bool = False) -> LookupResult:
         self.counters["lookups"] += 1
@@ -240,6 +325,12 @@ class SchedulerSide:
         st.prefetch = "done" if ok else "failed"
         if not ok:
             self.counters["prefetch_failures"] += 1
+        planner = self._planner()
+        reads = [r for r in st.partial.values() if r.ok and r.nbytes > 0 and r.seconds > 0]
+        if ok and planner is not None and reads:  # the slowest rank decides when the request can run
+            slowest = max(reads, key=lambda r: r.seconds)
+            planner.observe_ssd_read(slowest.nbytes, slowest.seconds)
+            self.counters["ssd_observations"] += 1
         M.PREFETCH_WAIT.observe(max(0.0, now - st.arrival))
         st.lookup = self._lookup(st, list(st.request.all_token_ids), pin=False)
         hint = self._publish(st)
@@ -251,9 +342,11 @@ class SchedulerSide:
         st = _Req(request, float(getattr(request, "arrival_time", 0.0) or time.time()))
         self.reqs[request.request_id] = st
         st.lookup = self._lookup(st, list(request.all_token_ids), pin=False, first=True)
-        self._publish(st)
-        if st.lookup.ssd_tokens > 0:
+        hint = self._publish(st)
+        if self._wants_ssd(st, hint):
             self._enqueue(st)
+        elif st.lookup.ssd_tokens > 0:
+            self.counters["plan_recompute_ssd"] += 1
         self.pump()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -263,7 +356,7 @@ class SchedulerSide:
             st = self.reqs[rid] = _Req(request, float(getattr(request, "arrival_time", 0.0) or time.time()))
         st.gpu_tokens = num_computed_tokens
         self.pump()
-        if st.prefetch in ("queued", "inflight"):
+        if st.prefetch in ("queued", "inflight") and not st.recompute_ssd:
             self.counters["none_answers"] += 1
             self._publish(st)
             return None, False
@@ -273,16 +366,21 @@ class SchedulerSide:
             return None, False
         tokens = list(request.all_token_ids)
         res = st.lookup = self._lookup(st, tokens, pin=True)
-        if res.ssd_tokens and st.prefetch == "none" and res.hit_end > max(num_computed_tokens, res.host_end):
-            self._enqueue(st)  # SSD data would lengthen the hit: wait for it in host memory
-            self.pump()
-            if st.prefetch in ("queued", "inflight"):
-                self.counters["none_answers"] += 1
-                return None, False
-            res = st.lookup
+        hint = self._publish(st)
+        if res.hit_end > max(num_computed_tokens, res.host_end) and st.prefetch == "none":
+            if self._wants_ssd(st, hint):
+                self._enqueue(st)  # SSD data would lengthen the hit: wait for it in host memory
+                self.pump()
+                if st.prefetch in ("queued", "inflight"):
+                    self.counters["none_answers"] += 1
+                    return None, False
+                res = st.lookup
+                hint = self.hints[rid]
+            elif res.ssd_tokens and not st.recompute_ssd:
+                self.counters["plan_recompute_ssd"] += 1
         st.saved_upto = max(st.saved_upto, res.hit_end // self.chunk * self.chunk)
-        self._publish(st)
-        hit = res.host_end
+        plan = hint.plan
+        hit = 0 if plan is not None and plan.host is LoadAction.RECOMPUTE else res.host_end
         ext = min(hit, request.num_tokens - 1) - num_computed_tokens
         if ext <= 0:
             if res.host_end:
@@ -292,7 +390,12 @@ class SchedulerSide:
         st.pending_load = (num_computed_tokens, hit)
         disk = min(ext, st.prefetch_ssd_tokens) if st.prefetch == "done" else 0
         st.sources = {"host": ext - disk, "disk": disk}
-        return ext, False
+        # Loads that fit in the step's synchronous budget run inside the step; the others off it.
+        sync = ext <= self.cfg.options.sync_load_budget_tokens - self._sync_budget_used
+        if sync:
+            self._sync_budget_used += ext
+        st.async_answer = not sync
+        return ext, not sync
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """The host/SSD split of an admission's external hits, under vLLM's labels (vLLM >= 0.32 asks; 0.31
@@ -310,11 +413,26 @@ class SchedulerSide:
         st = self.reqs.get(request.request_id)
         if st is None:
             return
+        if st.reallocating:
+            st.reallocating = False
+            if num_external_tokens == 0:  # resumed after its asynchronous load: admitted (and counted) already
+                return
         if num_external_tokens > 0 and st.pending_load is not None:
             gpu_cached, load_end = st.pending_load
             block_ids = list(blocks.get_block_ids()[0])
-            st.load_spec = LoadSpec(request.request_id, list(request.all_token_ids)[:load_end], block_ids,
-                                    gpu_cached, load_end)
+            # vLLM keeps an asynchronous answer asynchronous unless it drops the external hit altogether
+            is_async = st.async_answer
+            if len(block_ids) * self.block_size < load_end:  # vLLM trimmed the hit: load what it expects
+                load_end = gpu_cached + num_external_tokens
+            spec = LoadSpec(request.request_id, list(request.all_token_ids)[:load_end], block_ids, gpu_cached,
+                            load_end, is_async=is_async)
+            if is_async:  # vLLM parks the request (WAITING_FOR_REMOTE_KVS): its blocks are final now
+                self._async_loads.append(spec)
+                st.loading = st.reallocating = True
+                self.counters["async_loads"] += 1
+            else:
+                st.load_spec = spec
+                self.counters["sync_loads"] += 1
             st.saved_upto = max(st.saved_upto, load_end // self.chunk * self.chunk)
             disk = st.sources.get("disk", 0)
             M.HIT_TOKENS.labels("host").inc(num_external_tokens - disk)
@@ -330,6 +448,14 @@ class SchedulerSide:
     def build_connector_meta(self, so: Any) -> KVTierConnectorMetadata:
         self.pump()
         md = KVTierConnectorMetadata()
+        # steps that run while an asynchronous load issued by an earlier step is still in flight (this step's own
+        # new loads start after its forward pass), and the tokens they compute for other requests
+        fresh = {spec.req_id for spec in self._async_loads}
+        loading = {rid for rid, st in self.reqs.items() if st.loading and rid not in fresh}
+        if loading:
+            self.counters["steps_during_async_loads"] += 1
+            self.counters["tokens_during_async_loads"] += sum(
+                int(n) for rid, n in so.num_scheduled_tokens.items() if rid not in loading)
         for nr in so.scheduled_new_reqs:
             st = self.reqs.get(nr.req_id)
             if st is None:
@@ -362,23 +488,107 @@ class SchedulerSide:
             kv_end = min(st.computed + int(n), len(toks), len(st.block_ids) * self.block_size)
             save_end = kv_end // self.chunk * self.chunk
             if save_end > st.saved_upto:
-                md.saves.append(SaveSpec(rid, list(toks[:save_end]), list(st.block_ids), st.saved_upto))
+                self._job_seq += 1
+                job = self._job_seq
+                md.saves.append(SaveSpec(rid, list(toks[:save_end]), list(st.block_ids), st.saved_upto, job_id=job))
+                self._save_jobs[job] = [st, st.saved_upto, save_end, 0]
+                st.pending_saves.add(job)
                 st.saved_upto = save_end
-                self._computed_upto(st, save_end)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            md.preempted.append(rid)  # the worker finishes their saves before this step's forward pass
+            st = self.reqs.get(rid)
+            if st is not None:
+                st.pending_saves.clear()
+        md.loads.extend(self._async_loads)
+        self._async_loads = []
+        md.held, self._held_new = self._held_new, []
         md.finished, self.finished = self.finished, []
+        self._sync_budget_used = 0
+        if not so.num_scheduled_tokens:
+            self._replan_idle()
         return md
 
+    def update_connector_output(self, output: Any) -> None:
+        """The workers' report of a step: save jobs done (on every rank: their chunks landed, so requests waiting
+        for them stop counting them in flight), asynchronous loads ended, held requests freed."""
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVTierWorkerMetadata):
+            for job, n in meta.completed_saves.items():
+                rec = self._save_jobs.get(job)
+                if rec is None:
+                    continue
+                rec[3] += n
+                if rec[3] >= self.world:
+                    del self._save_jobs[job]
+                    st = rec[0]
+                    st.pending_saves.discard(job)
+                    self._computed_upto(st, rec[2])
+        for rid in getattr(output, "finished_recving", None) or ():
+            st = self.reqs.get(rid)
+            if st is not None:
+                st.loading = False
+        for rid in getattr(output, "finished_sending", None) or ():
+            self._held.discard(rid)
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks of finished requests come back once their saves are done: vLLM waits for them rather than
+        preempting a running request."""
+        return bool(self._held)
+
+    # ------------------------------------------------------------------ load or recompute at an idle GPU
+    def _read_s(self, hint: TierHint) -> float:
+        """Seconds until `hint`'s SSD part is in host memory, at best: its read's remainder if issued, else the
+        reads in flight and its own."""
+        bw = self._planner().cost.ssd_read_bytes_per_s
+        now = time.time()
+        issued = self.inflight.get(hint.request_id)
+        if issued is not None:
+            return max(hint.ssd_bytes / bw - (now - issued), 0.0)
+        ahead = sum(h.ssd_bytes for r in self.inflight if (h := self.hints.get(r)) is not None)
+        return (ahead + hint.ssd_bytes) / bw
+
+    def _replan_idle(self) -> None:
+        """Nothing ran or was admitted this step: let the policy recompute the SSD part of a request whose read has
+        not landed, where that gives an earlier first token (its read, if issued, still lands in host memory)."""
+        replan = getattr(self.policy, "replan_idle", None)
+        if replan is None or self._planner() is None:
+            return
+        if not any(st.prefetch in ("queued", "inflight") and not st.recompute_ssd for st in self.reqs.values()):
+            return
+        rid = replan(self._read_s)
+        st = self.reqs.get(rid) if rid is not None else None
+        if st is None:
+            return
+        st.recompute_ssd = True
+        if st.prefetch == "queued":
+            st.prefetch = "none"
+            self.hrrn.remove(rid)
+        self.counters["idle_replans"] += 1
+        self.policy.update(self._publish(st))
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A finished request keeps its blocks (delay_free_blocks) while one of its saves is not done; the worker
+        reports it in finished_sending when they are. Never for a request whose asynchronous load is in flight:
+        vLLM frees those blocks itself when the load ends."""
         rid = request.request_id
         st = self.reqs.pop(rid, None)
+        delay = False
         if st is not None:
-            self._computed_upto(st)
+            delay = bool(st.pending_saves) and not st.loading
+            # chunks no pending save covers will never land: nobody waits for them any more
+            pending_end = max((self._save_jobs[j][2] for j in st.pending_saves if j in self._save_jobs), default=0)
+            self._computed_upto(st, None, start=pending_end)
         self.hints.pop(rid, None)
         self.hrrn.remove(rid)
         self.inflight.pop(rid, None)
         self.finished.append(FinishedSpec(rid, list(request.all_token_ids), int(request.num_prompt_tokens),
                                           int(request.num_output_tokens), time.time()))
-        return False, None
+        if delay:
+            self._held_new.append(rid)
+            self._held.add(rid)
+            self.counters["delayed_frees"] += 1
+            M.DELAYED_FREES.inc()
+        return delay, None
 
     def snapshot(self) -> dict[str, Any]:
         """Counters of this side and the workers' storage stats, after the workers' queued saves have landed."""

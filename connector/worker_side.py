@@ -6,9 +6,15 @@
 - Lookups walk a request's chunk keys: host tier (LMCache's `LocalCPUBackend`), then the SSD tier.
 - Prefetches read SSD-only chunks into the host tier on a background thread (never inside a forward pass) and pin
   them for the request until its load.
-- `start_load_kv` retrieves from the host tier through the page-first connector; any token that does not arrive
-  marks its block (and every later one of that load) as a load error for vLLM to recompute: never wrong KV.
-- `wait_for_save` stores newly completed chunks (host tier, write-through to SSD asynchronously).
+- `start_load_kv` retrieves from the host tier through the page-first connector: small loads inside the step,
+  before the forward pass; larger ones (`LoadSpec.is_async`) on the transfer thread (`connector/transfers.py`)
+  while the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, reported through `get_finished`. Any token that
+  does not arrive marks its block (and every later one of that load) as a load error for vLLM to recompute, for
+  an asynchronous load no later than the step that reports it finished: never wrong KV.
+- `wait_for_save` queues the step's newly completed chunks on the transfer thread (host tier, write-through to SSD
+  asynchronously); the jobs that finished travel back in `KVTierWorkerMetadata`. A finished request's blocks are
+  kept by vLLM until its saves are done (`finished_sending`); a preempted request's saves finish in
+  `handle_preemptions`, before the step's forward pass may overwrite its blocks.
 - Finished requests' answer lengths and chunk chains reach the SSD tier's eviction policy.
 """
 
@@ -25,8 +31,17 @@ import torch
 from kvtier.compat import lmcache_retrieve_pins
 from kvtier.connector import metrics as M
 from kvtier.connector.config import ConnectorConfig
-from kvtier.connector.messages import FinishedSpec, KVTierConnectorMetadata, LookupResult, PrefetchResult
+from kvtier.connector.messages import (
+    FinishedSpec,
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    LoadSpec,
+    LookupResult,
+    PrefetchResult,
+    SaveSpec,
+)
 from kvtier.connector.rpc import RPCServer, endpoint
+from kvtier.connector.transfers import StreamFence, TransferJob, TransferQueue
 from kvtier.storage_backends import session_signals
 from kvtier.storage_backends.config import ConfigError
 
@@ -78,6 +93,7 @@ class WorkerSide:
         self.kv_list: list[torch.Tensor] = []
         self.server: RPCServer | None = None
         self.stats = M.KVTierConnectorStats()
+        self._stats_lock = threading.Lock()
         self._lock = threading.RLock()
         self._pins: dict[str, dict[Any, None]] = {}
         self._retrieve_pins = lmcache_retrieve_pins.for_installed()
@@ -89,6 +105,14 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._metadata: KVTierConnectorMetadata | None = None
         self._closed = False
+        #: LMCache engine stores and retrieves run under this lock (transfer thread and synchronous loads)
+        self._engine_lock = threading.Lock()
+        self.transfers: TransferQueue | None = None
+        #: finished requests whose blocks vLLM keeps until their saves are done (reported in finished_sending)
+        self._held: set[str] = set()
+        #: requests whose asynchronous load is queued or running (their pins are released when it ends)
+        self._loading: set[str] = set()
+        self._completed_saves: dict[int, int] = {}
 
     # ------------------------------------------------------------------ start-up
     def _detect_layout(self, names: list[str], heads: int, head_dim: int) -> str:
@@ -170,6 +194,7 @@ class WorkerSide:
         if self.host is None:
             self.close()
             raise ConfigError("LMCache started without its host tier (LocalCPUBackend); set local_cpu: true")
+        self.transfers = TransferQueue(self._engine_lock, self.kv_list[0].device)
         self.server = RPCServer(endpoint(self.engine_id, self.rank), self.handle)
         # LMCache keeps non-daemon threads until its engine is closed: close it before the interpreter joins
         # them, or an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) never exits.
@@ -204,8 +229,10 @@ class WorkerSide:
         if op == "release":
             self.release(str(req["rid"]))
             return {"ok": True}
-        if op == "flush":
-            return {"ok": bool(self.ssd.flush(float(req.get("timeout", 60))))}
+        if op == "flush":  # the transfer thread's queued saves first, then the SSD tier's queued writes
+            timeout = float(req.get("timeout", 60))
+            drained = self.transfers.drain(timeout) if self.transfers is not None else True
+            return {"ok": bool(drained and self.ssd.flush(timeout))}
         if op == "stats":
             policy_stats = getattr(self.ssd.tier.policy, "stats", None)
             return {"ssd": self.ssd.tier.stats.as_dict(), "ssd_chunks": len(self.ssd.tier),
@@ -306,7 +333,7 @@ class WorkerSide:
             dt = time.monotonic() - t0
             M.PREFETCH_SECONDS.observe(dt)
             M.PREFETCH_BYTES.inc(nbytes)
-            self.stats.add(prefetches=1, prefetched_tokens=ntok, prefetch_seconds=dt)
+            self._stat(prefetches=1, prefetched_tokens=ntok, prefetch_seconds=dt)
             res = PrefetchResult(ok, host_end, nbytes, dt, "" if ok else "an SSD chunk could not be read")
         except Exception as e:  # the request then recomputes what is not in host memory
             logger.exception("kvtier: prefetch of %s failed", rid)
@@ -322,57 +349,130 @@ class WorkerSide:
     # ------------------------------------------------------------------ per step
     def bind(self, md: KVTierConnectorMetadata) -> None:
         self._metadata = md
+        self._held.update(md.held)
         if md.finished:
             self._feedback(md.finished)
 
     def _feedback(self, finished: list[FinishedSpec]) -> None:
         for f in finished:
-            self.release(f.req_id)
+            if f.req_id not in self._loading:  # else the load releases its pins when it ends
+                self.release(f.req_id)
             try:
                 # the chain the request was announced with (its prompt's full chunks): the policies match the
                 # answer to that session; the answer's own chunks belong to the next turn's prompt
                 session_signals.request_finished(self._full_chain(f.token_ids[:f.prompt_tokens]), f.answer_tokens)
                 M.FEEDBACK.inc()
-                self.stats.add(feedback=1)
+                self._stat(feedback=1)
             except Exception:
                 logger.exception("kvtier: answer-length feedback for %s failed", f.req_id)
+
+    def _hold(self, req_id: str, steps: int) -> int:
+        """Testing only: engine steps a job of `req_id` waits before it runs."""
+        p = self.cfg.options.debug_hold_request_prefix
+        return steps if steps > 0 and req_id.startswith(p if isinstance(p, str) else tuple(p)) else 0
 
     def start_load(self) -> None:
         md = self._metadata
         if md is None or not md.loads:
             return
+        fence = None
         for spec in md.loads:
+            if spec.is_async and self.transfers is not None:
+                if fence is None:  # after this step's zeroing of new blocks (GPU)
+                    fence = StreamFence(self.kv_list[0].device)
+                self.transfers.submit(TransferJob("load", spec.req_id, lambda sp=spec: (self._load(sp),), spec=spec,
+                                                  fence=fence, hold_steps=self._hold(
+                                                      spec.req_id, self.cfg.options.debug_load_hold_steps)))
+                self._loading.add(spec.req_id)
+                continue
             t0 = time.monotonic()
-            n = spec.load_end
-            ret = None
+            with self._engine_lock:
+                bad_from = self._load(spec)
+            self._finish_load(spec, bad_from, time.monotonic() - t0, "sync")
+
+    def _load(self, spec: LoadSpec) -> int | None:
+        """Retrieve `spec`'s tokens into its blocks; returns the first token that did not arrive (None: all did)."""
+        n = spec.load_end
+        try:
+            tokens = torch.tensor(spec.token_ids[:n], dtype=torch.long)
+            mask = torch.ones(n, dtype=torch.bool)
             skip = spec.gpu_cached // self.cfg.chunk_size * self.cfg.chunk_size
-            try:
-                tokens = torch.tensor(spec.token_ids[:n], dtype=torch.long)
-                mask = torch.ones(n, dtype=torch.bool)
-                mask[:skip] = False
-                ret = self.engine.retrieve(tokens, mask, kvcaches=self.kv_list,
-                                           slot_mapping=slot_mapping(spec.block_ids, self.block_size, n),
-                                           vllm_cached_tokens=spec.gpu_cached, req_id=spec.req_id)
-                got = ret[spec.gpu_cached:n]
-                bad_from = None if bool(got.all()) else spec.gpu_cached + int((~got).nonzero()[0])
-            except Exception:
-                logger.exception("kvtier: load for %s failed; its blocks will be recomputed", spec.req_id)
-                bad_from = spec.gpu_cached
-            if ret is not None and self._retrieve_pins.consumes_pins:
+            mask[:skip] = False
+            ret = self.engine.retrieve(tokens, mask, kvcaches=self.kv_list,
+                                       slot_mapping=slot_mapping(spec.block_ids, self.block_size, n),
+                                       vllm_cached_tokens=spec.gpu_cached, req_id=spec.req_id)
+            if self._retrieve_pins.consumes_pins:
                 self._forget_consumed_pins(spec.req_id, spec.token_ids[:n], ret, skip)
-            if bad_from is not None:
-                blocks = spec.block_ids[bad_from // self.block_size:-(-n // self.block_size)]
-                self._load_errors.update(blocks)
-                M.LOAD_ERROR_BLOCKS.inc(len(blocks))
-                self.stats.add(load_error_blocks=len(blocks))
-                logger.warning("kvtier: %s: tokens %d..%d did not load; %d blocks go back to vLLM for recomputation",
-                               spec.req_id, bad_from, n, len(blocks))
-            dt = time.monotonic() - t0
-            loaded = (bad_from if bad_from is not None else n) - spec.gpu_cached
-            M.LOAD_SECONDS.observe(dt)
-            M.LOAD_BYTES.inc(max(loaded, 0) * self._token_bytes())
-            self.stats.add(loads=1, loaded_tokens=max(loaded, 0), load_seconds=dt)
-            self.release(spec.req_id)
+            got = ret[spec.gpu_cached:n]
+            return None if bool(got.all()) else spec.gpu_cached + int((~got).nonzero()[0])
+        except Exception:
+            logger.exception("kvtier: load for %s failed; its blocks will be recomputed", spec.req_id)
+            return spec.gpu_cached
+
+    def _finish_load(self, spec: LoadSpec, bad_from: int | None, seconds: float, mode: str) -> None:
+        """On the engine thread: report a load's failed blocks (before vLLM reads this step's errors), count it,
+        release its pins."""
+        n = spec.load_end
+        if bad_from is not None:
+            blocks = spec.block_ids[bad_from // self.block_size:-(-n // self.block_size)]
+            self._load_errors.update(blocks)
+            M.LOAD_ERROR_BLOCKS.inc(len(blocks))
+            self._stat(load_error_blocks=len(blocks))
+            logger.warning("kvtier: %s: tokens %d..%d did not load; %d blocks go back to vLLM for recomputation",
+                           spec.req_id, bad_from, n, len(blocks))
+        loaded = (bad_from if bad_from is not None else n) - spec.gpu_cached
+        M.LOAD_SECONDS.observe(seconds)
+        M.LOAD_BYTES.inc(max(loaded, 0) * self._token_bytes())
+        M.LOADS.labels(mode).inc()
+        self._stat(loads=1, loaded_tokens=max(loaded, 0), load_seconds=seconds,
+                       async_loads=1 if mode == "async" else 0)
+        self.release(spec.req_id)
+
+    def handle_preemptions(self, md: Any) -> None:
+        """Before this step's forward pass: saves of requests preempted in this step's schedule read their blocks
+        now, before the blocks are handed to other requests (vLLM freed them when it preempted)."""
+        if not isinstance(md, KVTierConnectorMetadata) or not md.preempted or self.transfers is None:
+            return
+        waiting = [r for r in md.preempted if self.transfers.pending(r)]
+        if not waiting:
+            return
+        t0 = time.monotonic()
+        while not self.transfers.wait_for(waiting, timeout=10.0):
+            logger.warning("kvtier: still waiting for the saves of preempted request(s) %s after %.0f s (their blocks "
+                           "must not be reused before)", ", ".join(waiting), time.monotonic() - t0)
+        dt = time.monotonic() - t0
+        M.PREEMPTION_FLUSHES.inc(len(waiting))
+        M.PREEMPTION_FLUSH_SECONDS.observe(dt)
+        self._stat(preemption_flushes=len(waiting))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished sending, finished receiving): held finished requests whose saves are all done, and requests
+        whose asynchronous load ended (its failed blocks are reported through `take_load_errors` in this same
+        step)."""
+        recving: set[str] = set()
+        if self.transfers is not None:
+            self.transfers.tick()
+            for job in self.transfers.take_done():
+                M.TRANSFER_QUEUE_SECONDS.labels(job.kind).observe(job.finished - job.submitted)
+                if job.kind == "load":
+                    spec = job.spec  # result: (first token that did not arrive or None,); None: the job broke
+                    bad_from = job.result[0] if job.result is not None else spec.gpu_cached
+                    self._loading.discard(spec.req_id)
+                    self._finish_load(spec, bad_from, job.finished - job.started, "async")
+                    recving.add(spec.req_id)
+                else:
+                    self._completed_saves[job.spec.job_id] = 1
+            for kind in ("load", "save"):
+                M.TRANSFERS_INFLIGHT.labels(kind).set(self.transfers.inflight(kind))
+        sending = {r for r in self._held if self.transfers is None or not self.transfers.pending(r)}
+        self._held -= sending
+        return sending or None, recving or None
+
+    def build_worker_meta(self) -> KVTierWorkerMetadata | None:
+        if not self._completed_saves:
+            return None
+        out, self._completed_saves = KVTierWorkerMetadata(self._completed_saves), {}
+        return out
 
     def _forget_consumed_pins(self, rid: str, tokens: list[int], ret: torch.Tensor, skip: int) -> None:
         """LMCache <= 0.5.5 released one pin of each chunk its retrieve returned (`kvtier.compat.
@@ -396,18 +496,30 @@ class WorkerSide:
         md = self._metadata
         if md is None or not md.saves:
             return
+        if not self.cfg.options.async_saves or self.transfers is None:
+            for spec in md.saves:
+                with self._engine_lock:
+                    self._save(spec)
+                self._completed_saves[spec.job_id] = 1
+            return
+        fence = StreamFence(self.kv_list[0].device)  # after this step's forward pass computed the KV (GPU)
         for spec in md.saves:
-            t0 = time.monotonic()
-            n = len(spec.token_ids)
-            try:
-                stored_end = self._store(spec, n)
-            except Exception:  # a lost save is a future miss, never wrong KV
-                logger.exception("kvtier: save for %s failed", spec.req_id)
-                continue
-            dt = time.monotonic() - t0
-            M.SAVE_SECONDS.observe(dt)
-            M.SAVE_BYTES.inc((stored_end - spec.skip) * self._token_bytes())
-            self.stats.add(saves=1, saved_tokens=stored_end - spec.skip, save_seconds=dt)
+            self.transfers.submit(TransferJob("save", spec.req_id, lambda sp=spec: self._save(sp), spec=spec,
+                                              fence=fence, hold_steps=self._hold(
+                                                  spec.req_id, self.cfg.options.debug_save_hold_steps)))
+
+    def _save(self, spec: SaveSpec) -> None:
+        t0 = time.monotonic()
+        n = len(spec.token_ids)
+        try:
+            stored_end = self._store(spec, n)
+        except Exception:  # a lost save is a future miss, never wrong KV
+            logger.exception("kvtier: save for %s failed", spec.req_id)
+            return
+        dt = time.monotonic() - t0
+        M.SAVE_SECONDS.observe(dt)
+        M.SAVE_BYTES.inc((stored_end - spec.skip) * self._token_bytes())
+        self._stat(saves=1, saved_tokens=stored_end - spec.skip, save_seconds=dt)
 
     #: a store that found LMCache's host pool full waits at most this long for queued SSD writes, then retries
     STORE_RETRY_WAIT_S = 1.0
@@ -440,11 +552,16 @@ class WorkerSide:
         out, self._load_errors = self._load_errors, set()
         return out
 
+    def _stat(self, **kw: float) -> None:
+        with self._stats_lock:  # the transfer and prefetch threads count too
+            self.stats.add(**kw)
+
     def take_stats(self) -> M.KVTierConnectorStats | None:
-        if self.stats.is_empty():
-            return None
-        out = M.KVTierConnectorStats(data=self.stats.snapshot())
-        self.stats.reset()
+        with self._stats_lock:
+            if self.stats.is_empty():
+                return None
+            out = M.KVTierConnectorStats(data=self.stats.snapshot())
+            self.stats.reset()
         return out
 
     def close(self) -> None:
@@ -455,6 +572,9 @@ class WorkerSide:
             self.server.close()
             self.server = None
         self._prefetch_pool.shutdown(wait=True, cancel_futures=True)
+        if self.transfers is not None:
+            if not self.transfers.close(60):
+                logger.warning("kvtier: loads or saves still queued on the transfer thread after 60 s are dropped")
         if self.engine is not None:
             from lmcache.v1.cache_engine import LMCacheEngineBuilder
 

@@ -209,3 +209,42 @@ def test_partial_or_failed_load_reports_exactly_the_blocks_to_recompute():
     ws.start_load()
     assert ws.take_load_errors() == {12, 13, 14, 15, 16, 17}  # everything after vLLM's own 32 cached tokens
     ws.close()
+
+
+def test_async_partial_load_reports_its_blocks_no_later_than_the_step_that_finishes_it():
+    """An asynchronous load (transfer thread) that fails in part: the step whose `get_finished` reports the
+    request in finished_recving also hands vLLM exactly the blocks that did not arrive; a load job that raises
+    reports every block after vLLM's own cached tokens. Never before the load ended, never lost."""
+    import threading
+
+    import torch
+
+    from kvtier.connector.messages import KVTierConnectorMetadata, LoadSpec
+    from kvtier.connector.transfers import TransferQueue
+
+    gate = threading.Event()
+
+    def half(tokens, mask, **kw):
+        gate.wait(30)
+        ret = torch.zeros(len(tokens), dtype=torch.bool)
+        ret[:64] = True
+        return ret
+
+    def boom(tokens, mask, **kw):
+        raise RuntimeError("injected")
+
+    for retrieve, gpu_cached, bad in ((half, 0, {14, 15, 16, 17}), (boom, 32, {12, 13, 14, 15, 16, 17})):
+        ws = _worker_with_fake_engine(retrieve)
+        ws.transfers = TransferQueue(ws._engine_lock)
+        try:
+            ws.bind(KVTierConnectorMetadata(loads=[LoadSpec("r", list(range(128)), list(range(10, 18)), gpu_cached,
+                                                            128, is_async=True)]))
+            ws.start_load()
+            if retrieve is half:  # still running: nothing reported yet
+                assert ws.get_finished(set()) == (None, None) and ws.take_load_errors() == set()
+                gate.set()
+            assert ws.transfers.wait_for(["r"], timeout=30)
+            assert ws.get_finished(set()) == (None, {"r"})
+            assert ws.take_load_errors() == bad
+        finally:
+            ws.close()

