@@ -33,6 +33,7 @@ class SaveSpec:
     token_ids: list[int]  # the first `save_end` tokens (a multiple of the chunk size)
     block_ids: list[int]
     skip: int  # chunk-aligned prefix already stored
+    share: bool = True  # also write the new chunks to the shared tier (if there is one)
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ class LookupResult:
     """Where a token prefix lives in the storage side (one worker rank, or the minimum over ranks).
 
     Walked chunk by chunk from the first token: `host_end` is the end of the longest prefix that is entirely in
-    the host tier; `hit_end` the end of the longest prefix present in host or SSD; `ssd_tokens`/`ssd_bytes`
-    count the chunks of `[0, hit_end)` that are only on SSD (what a prefetch must read).
+    the host tier; `hit_end` the end of the longest prefix present in host, SSD or the shared tier;
+    `ssd_tokens`/`ssd_bytes` count the chunks of `[0, hit_end)` that are only on SSD, `remote_tokens` /
+    `remote_bytes` those found only in the shared tier (what a prefetch must read).
     """
 
     host_end: int = 0
@@ -72,13 +74,21 @@ class LookupResult:
     ssd_tokens: int = 0
     ssd_bytes: int = 0
     chunk_size: int = 0
+    remote_tokens: int = 0
+    remote_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LookupResult":
-        return cls(**{k: int(d.get(k, 0)) for k in ("host_end", "hit_end", "ssd_tokens", "ssd_bytes", "chunk_size")})
+        return cls(**{k: int(d.get(k, 0)) for k in ("host_end", "hit_end", "ssd_tokens", "ssd_bytes", "chunk_size",
+                                                      "remote_tokens", "remote_bytes")})
+
+    @property
+    def prefetch_tokens(self) -> int:
+        """Tokens a prefetch must bring into host memory (SSD and shared tier)."""
+        return self.ssd_tokens + self.remote_tokens
 
     @staticmethod
     def combine(results: list["LookupResult"]) -> "LookupResult":
@@ -88,7 +98,10 @@ class LookupResult:
         hit = min(r.hit_end for r in results)
         host = min(r.host_end for r in results)
         worst = max(results, key=lambda r: r.ssd_tokens)
-        return LookupResult(min(host, hit), hit, min(worst.ssd_tokens, hit), worst.ssd_bytes, results[0].chunk_size)
+        remote = max(results, key=lambda r: r.remote_tokens)
+        ssd = min(worst.ssd_tokens, hit)
+        return LookupResult(min(host, hit), hit, ssd, worst.ssd_bytes, results[0].chunk_size,
+                            max(0, min(remote.remote_tokens, hit - ssd)), remote.remote_bytes)
 
 
 @dataclass(frozen=True)
