@@ -100,8 +100,9 @@ class LookupResult:
         worst = max(results, key=lambda r: r.ssd_tokens)
         remote = max(results, key=lambda r: r.remote_tokens)
         ssd = min(worst.ssd_tokens, hit)
-        return LookupResult(min(host, hit), hit, ssd, worst.ssd_bytes, results[0].chunk_size,
-                            max(0, min(remote.remote_tokens, hit - ssd)), remote.remote_bytes)
+        remote_tokens = max(0, min(remote.remote_tokens, hit - min(host, hit) - ssd))
+        return LookupResult(min(host, hit), hit, ssd, worst.ssd_bytes, results[0].chunk_size, remote_tokens,
+                            remote.remote_bytes * remote_tokens // max(1, remote.remote_tokens))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ What this layer adds to LMCache's remote backend:
 - **Keys** carry the model, the world size and rank (LMCache's key) and kvtier's chunk layout (`key_tag`: page
   size, chunk size, KV geometry), so engines of another model or layout never read each other's chunks. Every
   chunk read is also checked against this engine's layout (`layout_ok`) before it reaches the host tier.
-- **Faults**: every operation has a time limit; a store that fails is marked down (`StoreHealth`: logged once,
+- **Faults**: every operation has a time limit (an error other than a timeout is retried once: the client
+  replaces a pooled connection broken by a store restart); a store that fails is marked down (`StoreHealth`: logged once,
   counted), skipped without network waits while down, probed every `retry_s`, and used again once it answers.
   Failures are misses: the request recomputes, never wrong KV, never an exception into the engine.
 - **Writes** never run on the forward path: `submit_writes` takes a reference on each chunk in the host tier and
@@ -146,6 +147,55 @@ def attach_shared_tier(engine: Any, layout_ok: Callable[[ChunkMeta], bool], key_
     return tier
 
 
+def close_remote_connection(remote: Any, inner: Any = None, loop: Any = None) -> None:
+    """Close an LMCache RemoteBackend's connection without LMCache's own `close()` (see `SharedTier.close`)."""
+    inner = inner if inner is not None else (_unwrap(remote.connection) if remote.connection is not None else None)
+    if inner is None:
+        return
+    loop = loop or remote.loop
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(5.0)
+
+    pq = getattr(inner, "pq_executor", None)
+    if pq is not None and hasattr(pq, "shutdown_async"):
+        try:
+            run(pq.shutdown_async(True))
+        except Exception:  # noqa: BLE001
+            logger.debug("kvtier: shutting down the store client's executor failed", exc_info=True)
+        for attr in ("connection", "cluster"):
+            client = getattr(inner, attr, None)
+            closer = getattr(client, "aclose", None) or getattr(client, "close", None)
+            if closer is None:
+                continue
+            try:
+                res = closer()
+                if asyncio.iscoroutine(res):
+                    run(res)
+            except Exception:  # noqa: BLE001
+                logger.debug("kvtier: closing the store connection failed", exc_info=True)
+        remote.connection = None
+        return
+    t = threading.Thread(target=remote.close, name="kvtier-shared-close", daemon=True)
+    t.start()
+    t.join(10.0)
+    if t.is_alive():
+        logger.warning("kvtier: closing the shared store connection did not finish within 10 s")
+    remote.connection = None
+
+
+def detach_remote_backends(engine: Any) -> int:
+    """Close every LMCache RemoteBackend of an engine kvtier's way and take it out of the engine's backends, so
+    that closing the engine does not hang in LMCache 0.5.6's Redis `close()`; returns how many. For engines
+    built by other code (tests, tools); kvtier's connector does this through `SharedTier.close`."""
+    found = remote_backends(engine)
+    for name, remote in found:
+        close_remote_connection(remote)
+        with engine.storage_manager.manager_lock:
+            engine.storage_manager.storage_backends.pop(name, None)
+    return len(found)
+
+
 class SharedTier:
     """One engine rank's view of the shared store (see the module docstring)."""
 
@@ -234,17 +284,24 @@ class SharedTier:
         """(ok, result) of one store operation under the health state; a failure marks the store down."""
         if self.remote.connection is None or not self.health.attempt():
             return False, None
-        try:
-            out = self._run(coro_factory(), timeout)
-        except _DATA_ERRORS as e:
+        # A pooled connection to a store that restarted fails once and is then replaced by the client: while the
+        # store counts as up, a failure that is not a timeout is tried once more before the store is marked down.
+        tries = 2 if self.health.up else 1
+        for i in range(tries):
+            try:
+                out = self._run(coro_factory(), timeout)
+            except _DATA_ERRORS as e:
+                self.health.succeeded()
+                raise _BadChunk(e) from e
+            except Exception as e:  # noqa: BLE001 - connection refused, timeouts, the client's own errors
+                if i + 1 < tries and not isinstance(e, TimeoutError):
+                    continue
+                self.health.failed(e, op)
+                M.ERRORS.labels(op).inc()
+                return False, None
             self.health.succeeded()
-            raise _BadChunk(e) from e
-        except Exception as e:  # noqa: BLE001 - connection refused, timeouts, the client's own errors
-            self.health.failed(e, op)
-            M.ERRORS.labels(op).inc()
-            return False, None
-        self.health.succeeded()
-        return True, out
+            return True, out
+        return False, None
 
     @property
     def up(self) -> bool:
@@ -487,34 +544,7 @@ class SharedTier:
             self._detach()
 
     def _close_connection(self) -> None:
-        inner = self._inner
-        if inner is None:
-            return
-        pq = getattr(inner, "pq_executor", None)
-        if pq is not None and hasattr(pq, "shutdown_async"):
-            try:
-                self._run(pq.shutdown_async(True), timeout=5.0)
-            except Exception:  # noqa: BLE001
-                logger.debug("kvtier: shutting down the store client's executor failed", exc_info=True)
-            for attr in ("connection", "cluster"):
-                client = getattr(inner, attr, None)
-                closer = getattr(client, "aclose", None) or getattr(client, "close", None)
-                if closer is None:
-                    continue
-                try:
-                    res = closer()
-                    if asyncio.iscoroutine(res):
-                        self._run(res, timeout=5.0)
-                except Exception:  # noqa: BLE001
-                    logger.debug("kvtier: closing the store connection failed", exc_info=True)
-            self.remote.connection = None
-            return
-        t = threading.Thread(target=self.remote.close, name="kvtier-shared-close", daemon=True)
-        t.start()
-        t.join(10.0)
-        if t.is_alive():
-            logger.warning("kvtier: closing the shared store connection %s did not finish within 10 s", self.name)
-        self.remote.connection = None
+        close_remote_connection(self.remote, self._inner, self._loop)
 
 
 class _BadChunk(Exception):
