@@ -66,3 +66,24 @@ def test_fcfs_prefetch_baseline_also_prefetches_remote_requests():
     f = make_scheduling_policy("fcfs+prefetch")
     f.add(remote("s", 1.0, GiB), 1)
     assert f.pick(2.0) is None and f.next_prefetch(2.0) == "s"
+
+
+def test_shipped_redis_config_checks_and_a_bad_shared_key_is_named(tmp_path):
+    import pytest
+
+    from kvtier.storage_backends.check_config import check
+    from kvtier.storage_backends.config import ConfigError
+
+    repo = __import__("pathlib").Path(__file__).resolve().parent.parent
+    text = (repo / "configs" / "lmcache-kvtier-redis.yaml").read_text().replace("/var/cache/kvtier",
+                                                                              str(tmp_path / "ssd"))
+    good = tmp_path / "good.yaml"
+    good.write_text(text)
+    assert "shared store redis://127.0.0.1:6379 (writes: all" in check(str(good))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("writes: all ", "write: all "))
+    with pytest.raises(ConfigError, match=r"kvtier\.shared\.write \(did you mean kvtier\.shared\.writes\?\)"):
+        check(str(bad))
+    bad.write_text(text.replace("on_unavailable: fail", "on_unavailable: maybe"))
+    with pytest.raises(ConfigError, match=r"kvtier\.shared\.on_unavailable must be fail or degrade"):
+        check(str(bad))
