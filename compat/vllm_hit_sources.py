@@ -20,6 +20,7 @@ class HitSourceLabelsVllm032:
 
     host: Any
     disk: Any
+    remote: Any  #: hits from the tier shared by several engines (vLLM has no label of its own for it)
 
 
 def hit_source_labels() -> HitSourceLabelsVllm032 | None:
@@ -28,4 +29,5 @@ def hit_source_labels() -> HitSourceLabelsVllm032 | None:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
     except ImportError:  # vLLM 0.31
         return None
-    return HitSourceLabelsVllm032(host=CacheHitSource.HOST, disk=CacheHitSource.DISK)
+    return HitSourceLabelsVllm032(host=CacheHitSource.HOST, disk=CacheHitSource.DISK,
+                                  remote=CacheHitSource.EXTERNAL_UNSPECIFIED)

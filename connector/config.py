@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 #: keys of `kv_connector_extra_config` that belong to other kvtier components (not SSD-tier keys)
 CONNECTOR_KEY = "kvtier.connector"
-FOREIGN_KEYS = ("kvtier.scheduler", CONNECTOR_KEY)
+FOREIGN_KEYS = ("kvtier.scheduler", CONNECTOR_KEY, "kvtier.shared")
 KV_LAYOUTS = ("auto", "split_token_dim", "split_last_dim", "split_head_dim", "kv_first", "block_first",
               "block_first_hnd")
 
@@ -117,6 +117,9 @@ class ConnectorConfig:
     chunk_size: int
     page_tokens: int
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the shared tier's options when the LMCache config names a remote store (`remote_url` /
+    #: `remote_storage_plugins`), else None
+    shared: Any = None
 
 
 def _resolve_file(path: str) -> str:
@@ -195,4 +198,18 @@ def load_connector_config(extra: Mapping[str, Any] | None, block_size: int, *, p
                        "with every process, so a restarted engine finds none of the SSD tier's chunks; use "
                        "sha256_cbor")
     options = ConnectorOptions.parse(extra.get(CONNECTOR_KEY))
-    return ConnectorConfig(path, lmc, kv, options, chunk, kv.page_tokens, extra)
+    return ConnectorConfig(path, lmc, kv, options, chunk, kv.page_tokens, extra, _shared_options(path, lmc, ec, extra))
+
+
+def _shared_options(path: str, lmc: Any, ec: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
+    """`kvtier.shared` (inline keys win over the YAML's) when the LMCache config names a remote store."""
+    from kvtier.storage_backends.shared_config import SHARED_KEY, SharedTierOptions, remote_configured
+
+    raw = extra.get(SHARED_KEY, ec.get(SHARED_KEY))
+    if not remote_configured(lmc):
+        if raw is not None:
+            raise ConfigError(f"{path}: {SHARED_KEY} is set but the LMCache config names no shared store; add "
+                              "'remote_url: redis://HOST:PORT' (or remote_storage_plugins), or remove "
+                              f"{SHARED_KEY}")
+        return None
+    return SharedTierOptions.parse(raw)

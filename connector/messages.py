@@ -40,6 +40,7 @@ class SaveSpec:
     skip: int  # chunk-aligned prefix already stored
     #: names the save in `KVTierWorkerMetadata.completed_saves` (unique per engine)
     job_id: int = 0
+    share: bool = True  # also write the new chunks to the shared tier (if there is one)
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,9 @@ class LookupResult:
     """Where a token prefix lives in the storage side (one worker rank, or the minimum over ranks).
 
     Walked chunk by chunk from the first token: `host_end` is the end of the longest prefix that is entirely in
-    the host tier; `hit_end` the end of the longest prefix present in host or SSD; `ssd_tokens`/`ssd_bytes`
-    count the chunks of `[0, hit_end)` that are only on SSD (what a prefetch must read).
+    the host tier; `hit_end` the end of the longest prefix present in host, SSD or the shared tier;
+    `ssd_tokens`/`ssd_bytes` count the chunks of `[0, hit_end)` that are only on SSD, `remote_tokens` /
+    `remote_bytes` those found only in the shared tier (what a prefetch must read).
     """
 
     host_end: int = 0
@@ -97,13 +99,21 @@ class LookupResult:
     ssd_tokens: int = 0
     ssd_bytes: int = 0
     chunk_size: int = 0
+    remote_tokens: int = 0
+    remote_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LookupResult":
-        return cls(**{k: int(d.get(k, 0)) for k in ("host_end", "hit_end", "ssd_tokens", "ssd_bytes", "chunk_size")})
+        return cls(**{k: int(d.get(k, 0)) for k in ("host_end", "hit_end", "ssd_tokens", "ssd_bytes", "chunk_size",
+                                                      "remote_tokens", "remote_bytes")})
+
+    @property
+    def prefetch_tokens(self) -> int:
+        """Tokens a prefetch must bring into host memory (SSD and shared tier)."""
+        return self.ssd_tokens + self.remote_tokens
 
     @staticmethod
     def combine(results: list["LookupResult"]) -> "LookupResult":
@@ -113,7 +123,11 @@ class LookupResult:
         hit = min(r.hit_end for r in results)
         host = min(r.host_end for r in results)
         worst = max(results, key=lambda r: r.ssd_tokens)
-        return LookupResult(min(host, hit), hit, min(worst.ssd_tokens, hit), worst.ssd_bytes, results[0].chunk_size)
+        remote = max(results, key=lambda r: r.remote_tokens)
+        ssd = min(worst.ssd_tokens, hit)
+        remote_tokens = max(0, min(remote.remote_tokens, hit - min(host, hit) - ssd))
+        return LookupResult(min(host, hit), hit, ssd, worst.ssd_bytes, results[0].chunk_size, remote_tokens,
+                            remote.remote_bytes * remote_tokens // max(1, remote.remote_tokens))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The connector's scheduler side: tier hints, eager SSD prefetch in disk-HRRN order, load/save planning.
 
 - `on_new_request`: looks the prompt up across tiers (RPC to the worker ranks), publishes a `TierHint`
-  (`tier_hint(request_id)`) and, when part of the prefix is only on SSD, queues an SSD -> host prefetch.
+  (`tier_hint(request_id)`) and, when part of the prefix is only on SSD or only in the shared tier (state REMOTE),
+  queues a prefetch into host memory.
 - Prefetches are issued at most `prefetch_concurrency` at a time, in disk-HRRN order (the scheduling policy's
   `next_prefetch` when kvtier's dual-queue scheduler hands its policy over, else a local `DiskHRRNQueue`).
 - `get_num_new_matched_tokens` answers `None` while the request's SSD data is being prefetched (the request waits
@@ -62,6 +63,8 @@ class _Req:
     gpu_tokens: int = 0
     prefetch: str = "none"  # none | queued | inflight | done | failed
     prefetch_ssd_tokens: int = 0  # tokens that were only on SSD when the prefetch was queued
+    prefetch_remote_tokens: int = 0  # tokens that were only in the shared tier then
+    share: bool = True  # its saved chunks go to the shared tier too (`kvtier.shared.writes`)
     partial: dict[int, PrefetchResult] = field(default_factory=dict)
     pending_load: tuple[int, int] | None = None  # (gpu_cached, load_end) between lookup and allocation
     load_spec: LoadSpec | None = None
@@ -157,7 +160,7 @@ class SchedulerSide:
         st = self.reqs.get(request_id)
         if hint is None or st is None:
             return hint
-        n = self._inflight_tokens(st, hint.gpu_tokens + hint.host_tokens + hint.ssd_tokens)
+        n = self._inflight_tokens(st, hint.gpu_tokens + hint.host_tokens + hint.ssd_tokens + hint.remote_tokens)
         return hint if n == hint.inflight_tokens else replace(hint, inflight_tokens=n)
 
     def _keys(self, st: _Req) -> list[int]:
@@ -228,9 +231,15 @@ class SchedulerSide:
             self.hrrn.remove(rid)
         return hint
 
-    def _wants_ssd(self, st: _Req, hint: TierHint) -> bool:
-        """Whether the request should wait for its SSD part (prefetch) rather than recompute it."""
-        return st.lookup.ssd_tokens > 0 and not st.recompute_ssd and (hint.plan is None or hint.plan.waits_for_ssd)
+    def _wants_prefetch(self, st: _Req, hint: TierHint) -> bool:
+        """Whether the request should wait for a prefetch into host memory rather than recompute: for a part only
+        in the shared tier always (the load plan does not model the shared tier: such a hint carries no plan), for
+        an SSD part when the plan says so."""
+        if st.recompute_ssd:
+            return False
+        if st.lookup.remote_tokens > 0:
+            return True
+        return st.lookup.ssd_tokens > 0 and (hint.plan is None or hint.plan.waits_for_ssd)
 
     def _lookup(self, st: _Req, tokens: list[int], pin: bool, first: bool = False) -> LookupResult:
         self.counters["lookups"] += 1
@@ -260,11 +269,12 @@ class SchedulerSide:
     def _enqueue(self, st: _Req) -> None:
         st.prefetch = "queued"
         st.prefetch_ssd_tokens = st.lookup.ssd_tokens
+        st.prefetch_remote_tokens = st.lookup.remote_tokens
         hint = self._publish(st)
         if self.policy is not None:
             self.policy.update(hint)
         else:
-            self.hrrn.push(st.request.request_id, st.arrival, st.lookup.ssd_bytes)
+            self.hrrn.push(st.request.request_id, st.arrival, hint.prefetch_bytes)
 
     def _next_prefetch(self, now: float) -> str | None:
         if self.policy is not None:
@@ -343,7 +353,7 @@ class SchedulerSide:
         self.reqs[request.request_id] = st
         st.lookup = self._lookup(st, list(request.all_token_ids), pin=False, first=True)
         hint = self._publish(st)
-        if self._wants_ssd(st, hint):
+        if self._wants_prefetch(st, hint):
             self._enqueue(st)
         elif st.lookup.ssd_tokens > 0:
             self.counters["plan_recompute_ssd"] += 1
@@ -368,8 +378,8 @@ class SchedulerSide:
         res = st.lookup = self._lookup(st, tokens, pin=True)
         hint = self._publish(st)
         if res.hit_end > max(num_computed_tokens, res.host_end) and st.prefetch == "none":
-            if self._wants_ssd(st, hint):
-                self._enqueue(st)  # SSD data would lengthen the hit: wait for it in host memory
+            if self._wants_prefetch(st, hint):
+                self._enqueue(st)  # SSD / shared data would lengthen the hit: wait for it in host memory
                 self.pump()
                 if st.prefetch in ("queued", "inflight"):
                     self.counters["none_answers"] += 1
@@ -389,7 +399,8 @@ class SchedulerSide:
             return 0, False
         st.pending_load = (num_computed_tokens, hit)
         disk = min(ext, st.prefetch_ssd_tokens) if st.prefetch == "done" else 0
-        st.sources = {"host": ext - disk, "disk": disk}
+        remote = min(ext - disk, st.prefetch_remote_tokens) if st.prefetch == "done" else 0
+        st.sources = {"host": ext - disk - remote, "disk": disk, "remote": remote}
         # Loads that fit in the step's synchronous budget run inside the step; the others off it.
         sync = ext <= self.cfg.options.sync_load_budget_tokens - self._sync_budget_used
         if sync:
@@ -406,7 +417,8 @@ class SchedulerSide:
         st = self.reqs.get(request.request_id)
         src = dict(st.sources) if st is not None and st.sources else {"host": num_external_tokens}
         disk = min(src.get("disk", 0), num_external_tokens)
-        out = {labels.host: num_external_tokens - disk, labels.disk: disk}
+        remote = min(src.get("remote", 0), num_external_tokens - disk)  # vLLM's name for a remote store
+        out = {labels.host: num_external_tokens - disk - remote, labels.disk: disk, labels.remote: remote}
         return {k: v for k, v in out.items() if v > 0}
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -435,15 +447,31 @@ class SchedulerSide:
                 self.counters["sync_loads"] += 1
             st.saved_upto = max(st.saved_upto, load_end // self.chunk * self.chunk)
             disk = st.sources.get("disk", 0)
-            M.HIT_TOKENS.labels("host").inc(num_external_tokens - disk)
+            remote = st.sources.get("remote", 0)
+            M.HIT_TOKENS.labels("host").inc(num_external_tokens - disk - remote)
             M.HIT_TOKENS.labels("ssd").inc(disk)
+            M.HIT_TOKENS.labels("remote").inc(remote)
         self.admitted.append((list(request.prompt_token_ids[:4]), int(num_external_tokens),
-                              int(st.sources.get("disk", 0)) if num_external_tokens else 0))
+                              int(st.sources.get("disk", 0)) if num_external_tokens else 0,
+                              int(st.sources.get("remote", 0)) if num_external_tokens else 0))
+        st.share = self._shares(st, num_external_tokens)
         M.HIT_TOKENS.labels("gpu").inc(st.gpu_tokens)
         M.HIT_TOKENS.labels("miss").inc(max(0, request.num_tokens - st.gpu_tokens - num_external_tokens))
         M.QUERY_TOKENS.inc(request.num_tokens)
         st.pending_load = None
         self._computing_from(st, max(st.saved_upto, st.gpu_tokens + num_external_tokens))
+
+    def _shares(self, st: _Req, num_external_tokens: int) -> bool:
+        """Whether an admitted request's new chunks go to the shared tier (`kvtier.shared.writes`): `all`, `none`,
+        or `continuing`: only when it continues an earlier turn (enough of its prompt was cached at arrival:
+        the chance of yet another turn grows with the conversation's depth)."""
+        opts = self.cfg.shared
+        if opts is None or opts.writes == "all":
+            return True
+        if opts.writes == "none":
+            return False
+        cached = max(st.lookup.hit_end, st.gpu_tokens + num_external_tokens)
+        return cached // self.chunk >= opts.min_history_chunks
 
     def build_connector_meta(self, so: Any) -> KVTierConnectorMetadata:
         self.pump()
@@ -490,7 +518,8 @@ class SchedulerSide:
             if save_end > st.saved_upto:
                 self._job_seq += 1
                 job = self._job_seq
-                md.saves.append(SaveSpec(rid, list(toks[:save_end]), list(st.block_ids), st.saved_upto, job_id=job))
+                md.saves.append(SaveSpec(rid, list(toks[:save_end]), list(st.block_ids), st.saved_upto, job_id=job,
+                                          share=st.share))
                 self._save_jobs[job] = [st, st.saved_upto, save_end, 0]
                 st.pending_saves.add(job)
                 st.saved_upto = save_end

@@ -3,18 +3,20 @@
 - `register_kv_caches`: builds the engine for this rank's KV tensors (layout detected from the attention backend),
   checks that LMCache really loaded the kvtier plugin (LMCache only logs a plugin's start-up error), and starts the
   storage RPC endpoint the scheduler side uses for lookups and prefetches.
-- Lookups walk a request's chunk keys: host tier (LMCache's `LocalCPUBackend`), then the SSD tier.
-- Prefetches read SSD-only chunks into the host tier on a background thread (never inside a forward pass) and pin
-  them for the request until its load.
+- Lookups walk a request's chunk keys: host tier (LMCache's `LocalCPUBackend`), then the SSD tier, then the shared
+  tier when the LMCache config names a remote store (`connector/shared_side.py`: local tiers always first).
+- Prefetches read SSD-only and shared-only chunks into the host tier on a background thread (never inside a
+  forward pass) and pin them for the request until its load.
 - `start_load_kv` retrieves from the host tier through the page-first connector: small loads inside the step,
   before the forward pass; larger ones (`LoadSpec.is_async`) on the transfer thread (`connector/transfers.py`)
   while the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, reported through `get_finished`. Any token that
   does not arrive marks its block (and every later one of that load) as a load error for vLLM to recompute, for
   an asynchronous load no later than the step that reports it finished: never wrong KV.
 - `wait_for_save` queues the step's newly completed chunks on the transfer thread (host tier, write-through to SSD
-  asynchronously); the jobs that finished travel back in `KVTierWorkerMetadata`. A finished request's blocks are
-  kept by vLLM until its saves are done (`finished_sending`); a preempted request's saves finish in
-  `handle_preemptions`, before the step's forward pass may overwrite its blocks.
+  asynchronously; to the shared tier from a helper thread, as `kvtier.shared.writes` says); the jobs that finished
+  travel back in `KVTierWorkerMetadata`. A finished request's blocks are kept by vLLM until its saves are done
+  (`finished_sending`); a preempted request's saves finish in `handle_preemptions`, before the step's forward pass
+  may overwrite its blocks.
 - Finished requests' answer lengths and chunk chains reach the SSD tier's eviction policy.
 """
 
@@ -90,6 +92,7 @@ class WorkerSide:
         self.engine: Any = None
         self.host: Any = None  # LMCache LocalCPUBackend
         self.ssd: Any = None  # KVTierBackend
+        self.shared: Any = None  # SharedSide, when the LMCache config names a shared store
         self.kv_list: list[torch.Tensor] = []
         self.server: RPCServer | None = None
         self.stats = M.KVTierConnectorStats()
@@ -195,6 +198,12 @@ class WorkerSide:
             self.close()
             raise ConfigError("LMCache started without its host tier (LocalCPUBackend); set local_cpu: true")
         self.transfers = TransferQueue(self._engine_lock, self.kv_list[0].device)
+        if self.cfg.shared is not None:
+            try:
+                self.shared = self._attach_shared(md, heads, head_dim)
+            except Exception:
+                self.close()
+                raise
         self.server = RPCServer(endpoint(self.engine_id, self.rank), self.handle)
         # LMCache keeps non-daemon threads until its engine is closed: close it before the interpreter joins
         # them, or an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) never exits.
@@ -207,6 +216,23 @@ class WorkerSide:
         logger.info("kvtier connector worker rank %d: %d layers, layout %s, chunk %d tokens, page %d tokens, SSD tier "
                     "at %s (%d chunks)", self.rank, len(self.kv_list), kind.value, chunk, self.cfg.page_tokens,
                     self.ssd.tier.directory, len(self.ssd.tier))
+
+    def _attach_shared(self, md: Any, heads: int, head_dim: int) -> Any:
+        from kvtier.connector.shared_side import SharedSide
+        from kvtier.storage_backends.lmcache_backend import expected_layout
+        from kvtier.storage_backends.shared_tier import attach_shared_tier
+
+        # the shared keys name kvtier's chunk layout: engines of another page size, chunk size or KV geometry (or
+        # another model: LMCache's key names it) never read these chunks
+        tag = f"pf{self.cfg.page_tokens}.c{self.cfg.chunk_size}.L{len(self.kv_list)}.H{heads}x{head_dim}"
+        tier = attach_shared_tier(self.engine, expected_layout(md, "page_first", self.cfg.page_tokens), tag,
+                                  self.cfg.shared, model_id=self.cfg.shared.model_id)
+        if tier is None:
+            from kvtier.storage_backends.config import ConfigError
+
+            raise ConfigError(f"{self.cfg.config_file}: LMCache did not start its remote backend (its error is in "
+                              "the log above); check remote_url / remote_storage_plugins")
+        return SharedSide(tier, self._chunks, self.cfg.chunk_size)
 
     # ------------------------------------------------------------------ RPC
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -229,16 +255,20 @@ class WorkerSide:
         if op == "release":
             self.release(str(req["rid"]))
             return {"ok": True}
-        if op == "flush":  # the transfer thread's queued saves first, then the SSD tier's queued writes
+        if op == "flush":  # the transfer thread's queued saves first, then the SSD tier's and the shared tier's writes
             timeout = float(req.get("timeout", 60))
-            drained = self.transfers.drain(timeout) if self.transfers is not None else True
-            return {"ok": bool(drained and self.ssd.flush(timeout))}
+            ok = bool(self.transfers.drain(timeout)) if self.transfers is not None else True
+            ok = bool(self.ssd.flush(timeout)) and ok
+            if self.shared is not None:
+                ok = bool(self.shared.flush(timeout)) and ok
+            return {"ok": ok}
         if op == "stats":
             policy_stats = getattr(self.ssd.tier.policy, "stats", None)
             return {"ssd": self.ssd.tier.stats.as_dict(), "ssd_chunks": len(self.ssd.tier),
                     "host_chunks": len(self.host.hot_cache),
                     "ssd_policy": {"name": self.ssd.tier.policy.name,
-                                   **(policy_stats() if callable(policy_stats) else {})}}
+                                   **(policy_stats() if callable(policy_stats) else {})},
+                    "shared": self.shared.stats() if self.shared is not None else None}
         raise ValueError(f"unknown op {op!r}")
 
     def _chunks(self, tokens: list[int]) -> list[tuple[int, int, Any]]:
@@ -263,11 +293,12 @@ class WorkerSide:
 
     def lookup(self, rid: str, tokens: list[int], pin: bool = False, first: bool = False) -> LookupResult:
         tier = self.ssd.tier
-        host_end = hit_end = ssd_tokens = ssd_bytes = 0
+        host_end = hit_end = ssd_tokens = ssd_bytes = remote_tokens = 0
         host_run = True
         chunks = self._chunks(tokens)
+        missing = None  # first chunk in neither local tier
         with self._lock:
-            for start, end, key in chunks:
+            for i, (start, end, key) in enumerate(chunks):
                 if host_run and (self._pin(rid, key) if pin else self.host.contains(key)):
                     host_end = end
                 elif self.host.contains(key):
@@ -277,17 +308,26 @@ class WorkerSide:
                     ssd_tokens += end - start
                     ssd_bytes += tier.chunk_bytes
                 else:
+                    missing = i
                     break
+                hit_end = end
+        if missing is not None and self.shared is not None:  # the network only for what the local tiers lack
+            rest = chunks[missing:]
+            for start, end, key in rest[:self.shared.prefix(rid, [k for _, _, k in rest])]:
+                remote_tokens += end - start
                 hit_end = end
         if first:
             session_signals.request_arrived([k for s, e, k in chunks if e - s == self.cfg.chunk_size])
-        return LookupResult(host_end, hit_end, ssd_tokens, ssd_bytes, self.cfg.chunk_size)
+        return LookupResult(host_end, hit_end, ssd_tokens, ssd_bytes, self.cfg.chunk_size, remote_tokens,
+                            remote_tokens // self.cfg.chunk_size * tier.chunk_bytes)
 
     def release(self, rid: str) -> None:
         with self._lock:
             for key in self._pins.pop(rid, {}):
                 self.host.unpin(key)
             self._prefetch_done.pop(rid, None)
+            if self.shared is not None:
+                self.shared.forget(rid)
             if rid in self._prefetching:
                 self._cancelled.add(rid)  # the prefetch releases its pins when it ends
 
@@ -302,16 +342,23 @@ class WorkerSide:
         if self.cfg.options.debug_prefetch_delay_s:
             time.sleep(self.cfg.options.debug_prefetch_delay_s)
         try:
-            todo = []
+            todo, chunks, missing = [], self._chunks(tokens), None
             with self._lock:
-                for start, end, key in self._chunks(tokens):
+                for i, (start, end, key) in enumerate(chunks):
                     # Pin what is already in host memory: the chunks this prefetch brings in must not evict it.
                     if self._pin(rid, key):
                         continue
                     if not self.ssd.tier.contains(key.to_string()):
+                        missing = i
                         break
                     todo.append((start, end, key))
             objs = self.ssd.read([k for _, _, k in todo], wait_for_memory=False) if todo else []
+            if missing is not None and self.shared is not None and all(o is not None for o in objs):
+                rest = chunks[missing:]
+                remote = rest[:self.shared.prefix(rid, [k for _, _, k in rest])]
+                if remote:  # the chunks only the shared tier holds, after the local ones
+                    todo += remote
+                    objs += self.shared.read([k for _, _, k in remote])
             nbytes, ntok, ok = 0, 0, True
             with self._lock:
                 for (start, end, key), obj in zip(todo, objs):
@@ -334,7 +381,8 @@ class WorkerSide:
             M.PREFETCH_SECONDS.observe(dt)
             M.PREFETCH_BYTES.inc(nbytes)
             self._stat(prefetches=1, prefetched_tokens=ntok, prefetch_seconds=dt)
-            res = PrefetchResult(ok, host_end, nbytes, dt, "" if ok else "an SSD chunk could not be read")
+            res = PrefetchResult(ok, host_end, nbytes, dt, "" if ok else "a chunk could not be read (SSD or shared "
+                                 "tier)")
         except Exception as e:  # the request then recomputes what is not in host memory
             logger.exception("kvtier: prefetch of %s failed", rid)
             res = PrefetchResult(False, 0, 0, time.monotonic() - t0, f"{type(e).__name__}: {e}")
@@ -516,6 +564,9 @@ class WorkerSide:
         except Exception:  # a lost save is a future miss, never wrong KV
             logger.exception("kvtier: save for %s failed", spec.req_id)
             return
+        if self.shared is not None and spec.share and stored_end > spec.skip:
+            # queued for the shared tier's helper thread: returns at once
+            self.shared.share_saved(spec.token_ids[:stored_end], spec.skip)
         dt = time.monotonic() - t0
         M.SAVE_SECONDS.observe(dt)
         M.SAVE_BYTES.inc((stored_end - spec.skip) * self._token_bytes())
@@ -575,6 +626,12 @@ class WorkerSide:
         if self.transfers is not None:
             if not self.transfers.close(60):
                 logger.warning("kvtier: loads or saves still queued on the transfer thread after 60 s are dropped")
+        if self.shared is not None:
+            try:
+                self.shared.close()  # before LMCache closes its backends (see SharedTier.close)
+            except Exception:
+                logger.exception("kvtier: closing the shared tier failed")
+            self.shared = None
         if self.engine is not None:
             from lmcache.v1.cache_engine import LMCacheEngineBuilder
 

@@ -12,8 +12,9 @@ Queues of a `DualQueuePolicy`:
   and its loads (the load plan's cost model: short prefills go first, waiting raises every ratio). `pick` returns the first ready
   request in that order that fits the free GPU memory: a request too large for it is skipped, it does not block
   the queue.
-- **preparing**: requests with part of their prefix only on the SSD (`PREPARING`), in disk-HRRN order
-  (`DiskHRRNQueue`); `next_prefetch` hands the next read to the prefetcher and marks the request `LOADING`.
+- **preparing**: requests with part of their prefix only on the SSD (`PREPARING`) or only in the shared tier
+  (`REMOTE`: treated alike, sized by `TierHint.prefetch_bytes`), in disk-HRRN order (`DiskHRRNQueue`);
+  `next_prefetch` hands the next read to the prefetcher and marks the request `LOADING`.
 - **delay-hit avoidance** (`delay_hit=True`): a ready request whose hint reports at least
   `delay_hit_threshold_tokens` prefix tokens being computed or loaded by another in-flight request
   (`TierHint.inflight_tokens`) is passed over until a newer hint reports them landed, instead of recomputing them.
@@ -378,7 +379,7 @@ class DualQueuePolicy:
             w.where = "loading"
             self._prep_bytes += w.hint.ssd_bytes
         else:
-            self._preparing.push(rid, w.hint.arrival, w.hint.ssd_bytes)
+            self._preparing.push(rid, w.hint.arrival, w.hint.prefetch_bytes)
             w.where = "preparing"
             self._prep_bytes += w.hint.ssd_bytes
 
@@ -409,7 +410,7 @@ class DualQueuePolicy:
         if old == new_where == "preparing":
             self._prep_bytes += hint.ssd_bytes - w.hint.ssd_bytes
             w.hint = hint
-            self._preparing.push(hint.request_id, hint.arrival, hint.ssd_bytes)  # size update, keeps position
+            self._preparing.push(hint.request_id, hint.arrival, hint.prefetch_bytes)  # size update, keeps position
             return
         if old == new_where:
             if old == "ready":
@@ -461,8 +462,8 @@ class DualQueuePolicy:
             return
         if hint is None:
             h = w.hint
-            hint = replace(h, host_tokens=h.host_tokens + h.ssd_tokens, ssd_tokens=0, ssd_bytes=0,
-                           state=TierState.READY)
+            hint = replace(h, host_tokens=h.host_tokens + h.ssd_tokens + h.remote_tokens, ssd_tokens=0, ssd_bytes=0,
+                           remote_tokens=0, remote_bytes=0, state=TierState.READY)
         self.update(hint)
 
     # --- scheduler side ------------------------------------------------------------------------------------------
@@ -592,7 +593,7 @@ class FCFSPolicy:
         w = _Waiting(hint=hint, gpu_need=int(gpu_need), seq=self._seq, key=(hint.arrival, self._seq))
         self._reqs[hint.request_id] = w
         bisect.insort(self._queue, w.key + (hint.request_id,))
-        if self.prefetch and hint.state is TierState.PREPARING:
+        if self.prefetch and hint.state.waits_for_prefetch:
             self._to_read.append(hint.request_id)
 
     def update(self, hint: TierHint, gpu_need: int | None = None) -> None:
@@ -602,11 +603,11 @@ class FCFSPolicy:
             return
         if (hint is w.hint or hint == w.hint) and (gpu_need is None or gpu_need == w.gpu_need):
             return
-        was_preparing = w.hint.state is TierState.PREPARING
+        was_preparing = w.hint.state.waits_for_prefetch
         w.hint = replace(hint, arrival=w.hint.arrival)
         if gpu_need is not None:
             w.gpu_need = int(gpu_need)
-        if self.prefetch and hint.state is TierState.PREPARING and not was_preparing:
+        if self.prefetch and hint.state.waits_for_prefetch and not was_preparing:
             self._to_read.append(hint.request_id)
 
     def hint(self, request_id: str) -> TierHint:
@@ -628,7 +629,7 @@ class FCFSPolicy:
         while self.prefetch and self._to_read:
             rid = self._to_read.popleft()
             w = self._reqs.get(rid)
-            if w is not None and w.hint.state is TierState.PREPARING:
+            if w is not None and w.hint.state.waits_for_prefetch:
                 w.hint = w.hint.with_state(TierState.LOADING)
                 return rid
         return None
@@ -640,7 +641,7 @@ class FCFSPolicy:
         h = hint or TierHint(
             request_id=request_id,
             gpu_tokens=w.hint.gpu_tokens,
-            host_tokens=w.hint.host_tokens + w.hint.ssd_tokens,
+            host_tokens=w.hint.host_tokens + w.hint.ssd_tokens + w.hint.remote_tokens,
             state=TierState.READY,
             arrival=w.hint.arrival,
             inflight_tokens=w.hint.inflight_tokens,

@@ -6,8 +6,9 @@ Inputs, all about one waiting request at one moment:
 - a `PrefixResidency` (any object with `host_end`, `hit_end`, `ssd_tokens`, `ssd_bytes`, such as the connector's
   `LookupResult`): the storage side's walk of the prompt, chunk by chunk from its first token. `walk_prefix`
   builds one from per-chunk residency with the worker's rules: `host_end` ends the run of host-resident chunks,
-  `hit_end` the run of chunks resident in host or SSD; `ssd_tokens`/`ssd_bytes` count the SSD-only chunks of
-  `[0, hit_end)`.
+  `hit_end` the run of chunks resident in host or SSD (or the shared tier); `ssd_tokens`/`ssd_bytes` count the
+  SSD-only chunks of `[0, hit_end)`, the optional `remote_tokens`/`remote_bytes` the shared-tier-only ones (a
+  request with such a part waits for its prefetch: state REMOTE, no load plan; the plan models local tiers only).
 - the request's SSD prefetch phase (`PrefetchPhase`): while the prefetch is not done the SSD part is pending
   (PREPARING, LOADING once issued); once done (or failed) only what is in host memory counts.
 - `inflight_tokens` (`count_inflight`): prompt chunks right after the resident prefix that *another* admitted
@@ -117,7 +118,15 @@ def derive_tier_hint(
     pending = phase in (PrefetchPhase.NONE, PrefetchPhase.QUEUED, PrefetchPhase.INFLIGHT)
     ssd = residency.ssd_tokens if pending else 0
     ssd_bytes = residency.ssd_bytes if ssd else 0
-    host = max(0, residency.hit_end - residency.ssd_tokens - gpu) if ssd else max(0, residency.host_end - gpu)
+    remote = getattr(residency, "remote_tokens", 0) if pending else 0
+    remote_bytes = getattr(residency, "remote_bytes", 0) if remote else 0
+    host = (max(0, residency.hit_end - residency.ssd_tokens - remote - gpu) if ssd or remote
+            else max(0, residency.host_end - gpu))
+    if remote:  # the load plan does not model the shared tier: the request waits for its whole prefetch
+        return TierHint(request_id, gpu_tokens=gpu, host_tokens=host, ssd_tokens=ssd, ssd_bytes=ssd_bytes,
+                        state=classify(gpu, host, ssd, loading=phase is PrefetchPhase.INFLIGHT, remote_tokens=remote),
+                        arrival=arrival, inflight_tokens=max(int(inflight_tokens), 0),
+                        prompt_tokens=max(int(prompt_tokens), 0), remote_tokens=remote, remote_bytes=remote_bytes)
     plan = None
     if planner is not None:
         hit_end = residency.hit_end if ssd else max(residency.host_end, gpu)

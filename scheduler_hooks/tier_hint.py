@@ -7,11 +7,16 @@ host memory, a chunk is evicted, an in-flight computation commits). The scheduli
 
 Token counts describe the request's prompt prefix, walked from its first token, and are disjoint:
 
-    gpu_tokens + host_tokens + ssd_tokens + inflight_tokens <= prompt_tokens
+    gpu_tokens + host_tokens + ssd_tokens + remote_tokens + inflight_tokens <= prompt_tokens
 
 `ssd_tokens` are tokens found only on the SSD tier (they must be read into host memory before the request can run
-without stalling the GPU); `inflight_tokens` are tokens that are being computed or loaded *by another in-flight
-request* right now and are resident nowhere yet (Strata's delay-hit case).
+without stalling the GPU); `remote_tokens` are tokens found only in the tier shared by several engines (a Redis /
+Valkey / Mooncake store: another engine computed them); `inflight_tokens` are tokens that are being computed or
+loaded *by another in-flight request* right now and are resident nowhere yet (Strata's delay-hit case).
+
+A request with shared-only tokens is in state REMOTE until its prefetch is issued (then LOADING): the scheduling
+policy treats it like a PREPARING one (prefetch in disk-HRRN order by `prefetch_bytes`, never ahead of a
+host-resident request).
 
 `plan` is the load-or-recompute decision (`kvtier.scheduler_hooks.load_plan.LoadPlan`) when the hint was derived
 with a planner (`kvtier.scheduler_hooks.hint_derivation.derive_tier_hint`): the state then follows the plan (a
@@ -36,12 +41,18 @@ class TierState(str, enum.Enum):
 
     READY = "ready"  #: everything cached is on the GPU or in host memory: schedulable now
     PREPARING = "preparing"  #: part of the prefix is only on SSD and waits for a prefetch into host memory
-    LOADING = "loading"  #: its SSD prefetch has been issued and is in progress
+    REMOTE = "remote"  #: part of the prefix is only in the shared tier and waits for a prefetch into host memory
+    LOADING = "loading"  #: its SSD (or shared-tier) prefetch has been issued and is in progress
     MISS = "miss"  #: nothing cached anywhere: schedulable now, computes everything
 
     @property
     def schedulable(self) -> bool:
         return self in (TierState.READY, TierState.MISS)
+
+    @property
+    def waits_for_prefetch(self) -> bool:
+        """Queued for a prefetch that has not been issued yet (SSD or shared tier)."""
+        return self in (TierState.PREPARING, TierState.REMOTE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +77,14 @@ class TierHint:
     prompt_tokens: int = 0
     #: the load-or-recompute decision, when a planner made one
     plan: "LoadPlan | None" = None
+    #: tokens (after the local tiers' part) found only in the shared tier
+    remote_tokens: int = 0
+    #: bytes that must be read from the shared tier to bring `remote_tokens` into host memory
+    remote_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("gpu_tokens", "host_tokens", "ssd_tokens", "ssd_bytes", "inflight_tokens", "prompt_tokens"):
+        for name in ("gpu_tokens", "host_tokens", "ssd_tokens", "ssd_bytes", "inflight_tokens", "prompt_tokens",
+                     "remote_tokens", "remote_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TierHint.{name} must be >= 0, got {getattr(self, name)}")
         if not isinstance(self.state, TierState):
@@ -76,8 +92,8 @@ class TierHint:
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens the request will not have to compute if it waits for its SSD data."""
-        return self.gpu_tokens + self.host_tokens + self.ssd_tokens
+        """Tokens the request will not have to compute if it waits for its SSD and shared-tier data."""
+        return self.gpu_tokens + self.host_tokens + self.ssd_tokens + self.remote_tokens
 
     @property
     def needs_ssd(self) -> bool:
@@ -93,12 +109,24 @@ class TierHint:
         """Prompt tokens the request computes (0 when the prompt length is unknown)."""
         return max(self.prompt_tokens - self.use_tokens, 0)
 
+    @property
+    def needs_remote(self) -> bool:
+        return self.remote_tokens > 0 or self.remote_bytes > 0
+
+    @property
+    def prefetch_bytes(self) -> int:
+        """Bytes its prefetch reads (SSD and shared tier): the size disk-HRRN orders by."""
+        return self.ssd_bytes + self.remote_bytes
+
     def with_state(self, state: TierState) -> TierHint:
         return replace(self, state=state)
 
 
-def classify(gpu_tokens: int, host_tokens: int, ssd_tokens: int, *, loading: bool = False) -> TierState:
+def classify(gpu_tokens: int, host_tokens: int, ssd_tokens: int, *, loading: bool = False,
+             remote_tokens: int = 0) -> TierState:
     """The state a connector should publish for these token counts."""
+    if remote_tokens > 0:
+        return TierState.LOADING if loading else TierState.REMOTE
     if ssd_tokens > 0:
         return TierState.LOADING if loading else TierState.PREPARING
     if gpu_tokens + host_tokens > 0:

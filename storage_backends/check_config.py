@@ -59,10 +59,21 @@ def check(path: str) -> str:
     from kvtier.storage_backends.ssd_directory import prepare_directory
 
     prepare_directory(kv.ssd_path)
+    from kvtier.storage_backends.shared_config import SHARED_KEY, SharedTierOptions, remote_configured
+
+    shared = ""
+    raw = (cfg.extra_config or {}).get(SHARED_KEY)
+    if remote_configured(cfg):
+        opts = SharedTierOptions.parse(raw)
+        shared = (f", shared store {cfg.remote_url or cfg.remote_storage_plugins} (writes: {opts.writes}, "
+                  f"on_unavailable: {opts.on_unavailable}; not contacted here)")
+    elif raw is not None:
+        raise ConfigError(f"{path}: {SHARED_KEY} is set but no shared store is named; add 'remote_url: "
+                          f"redis://HOST:PORT' (or remote_storage_plugins), or remove {SHARED_KEY}")
     return (f"OK: {path}: plugin {names[0]!r} -> KVTierBackend, SSD tier at {kv.ssd_path} "
             f"({kv.ssd_capacity_gb:g} GiB, {kv.io_threads} I/O threads, io_engine={kv.io_engine}, "
-            f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB, chunk_size {cfg.chunk_size}, "
-            f"LMCache {versions.installed.lmcache} ({versions.verdict.value})")
+            f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB, chunk_size {cfg.chunk_size}"
+            f"{shared}, LMCache {versions.installed.lmcache} ({versions.verdict.value})")
 
 
 ADAPTER_MODULE = "kvtier.storage_backends.lmcache_mp_adapter"

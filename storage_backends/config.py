@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 PREFIX = "kvtier."
+#: `kvtier.<section>` keys holding a mapping of another component's options (parsed there, not SSD-tier keys)
+SECTION_KEYS = ("kvtier.shared",)
 
 
 class ConfigError(ValueError):
@@ -161,7 +163,7 @@ def parse_kvtier_config(extra_config: Mapping[str, Any] | None, overrides: Mappi
     merged: dict[str, Any] = {}
     for source in (extra_config or {}), (overrides or {}):
         for k, v in source.items():
-            if isinstance(k, str) and k.startswith(PREFIX):
+            if isinstance(k, str) and k.startswith(PREFIX) and k not in SECTION_KEYS:
                 merged[k[len(PREFIX):]] = v
     return _build(merged, lambda name: PREFIX + name, "extra_config",
                   "'kvtier.ssd_path: /var/cache/kvtier' and 'kvtier.ssd_capacity_gb: 100'")

@@ -1,0 +1,102 @@
+"""Chunk get/put through the shared tier (a real Redis on 127.0.0.1) vs kvtier's local SSD tier, as ratios.
+
+One real LMCache engine built from the shipped `configs/lmcache-kvtier-redis.yaml` (paths, port and sizes edited),
+kvtier's `SharedTier` over its remote backend. Per round (interleaved, so drift hits both alike):
+- put: `SharedTier.submit_writes` + `flush` of N host-tier chunks (Redis SET over the loopback) vs the SSD tier's
+  durable write-through of the same chunks (`KVTierBackend` store + flush);
+- get: `SharedTier.read` of the N chunks into the host tier vs the SSD tier's `read` (page cache warm: the file
+  was just written; the loopback Redis is also the best case of a network store).
+Reported: GB/s medians over rounds and the median of per-round ratios (shared / SSD). Recompute cost is not
+measured here (it needs a model forward pass: see `kvtier demo-vllm` for TTFT with and without cached history).
+
+    .venv/bin/python benchmarks/shared_tier.py [--chunks 16] [--rounds 5] [--dir /var/tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PORT = 16351
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default="/var/tmp")
+    args = ap.parse_args()
+
+    from kvtier.configs import path as config_path
+    from kvtier.storage_backends.shared_config import SharedTierOptions
+    from kvtier.storage_backends.shared_tier import attach_shared_tier
+    from kvtier.tools.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, \
+        load_lmcache_config
+    from kvtier.tools.redis_server import RedisServer
+
+    shape = ModelShape("bench/llama-like", num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    chunk = 256
+    cbytes = shape.chunk_bytes(chunk)
+    with tempfile.TemporaryDirectory(prefix="kvtier-shared-bench-", dir=args.dir) as work:
+        w = Path(work)
+        text = Path(config_path("lmcache-kvtier-redis.yaml")).read_text()
+        host_gb = 3 * args.chunks * cbytes / (1 << 30)
+        text = (text.replace("/var/cache/kvtier", str(w / "ssd")).replace("redis://127.0.0.1:6379",
+                                                                           f"redis://127.0.0.1:{PORT}")
+                .replace("max_local_cpu_size: 5 ", f"max_local_cpu_size: {host_gb:.3f} ")
+                .replace("kvtier.ssd_capacity_gb: 100", f"kvtier.ssd_capacity_gb: {4 * host_gb:.3f}"))
+        (w / "lmcache.yaml").write_text(text)
+        with RedisServer(PORT, w / "redis") as redis:
+            engine = build_engine(load_lmcache_config(str(w / "lmcache.yaml")), shape)
+            ssd = kvtier_backend(engine)
+            shared = attach_shared_tier(engine, lambda meta: True, "bench", SharedTierOptions(timeout_s=30.0))
+            host = engine.storage_manager.storage_backends["LocalCPUBackend"]
+            res: dict[str, list[float]] = {k: [] for k in ("shared_put", "ssd_put", "shared_get", "ssd_get")}
+            try:
+                for r in range(args.rounds):
+                    n_tok = args.chunks * chunk
+                    tokens = torch.arange(n_tok) + r * 10_000_000
+                    kv = torch.randn(2, shape.num_layers, n_tok, shape.hidden).to(shape.dtype)
+                    t0 = time.perf_counter()
+                    engine.store(tokens, kvcaches=kv)
+                    assert ssd.flush(120)
+                    res["ssd_put"].append(time.perf_counter() - t0)  # includes the host copy
+                    keys = [k for _, _, k in engine.token_database.process_tokens(tokens=tokens)]
+                    t0 = time.perf_counter()
+                    assert shared.submit_writes(keys) == len(keys) and shared.flush(120)
+                    res["shared_put"].append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    objs = ssd.read(keys)
+                    res["ssd_get"].append(time.perf_counter() - t0)
+                    assert all(o is not None for o in objs)
+                    for o in objs:
+                        o.ref_count_down()
+                    t0 = time.perf_counter()
+                    objs = shared.read(keys)
+                    res["shared_get"].append(time.perf_counter() - t0)
+                    assert all(o is not None for o in objs), shared.as_dict()
+                    for o in objs:
+                        o.ref_count_down()
+                    host.clear()
+                    redis.client().flushall()
+                    shared._known.clear()  # measure real writes every round
+            finally:
+                shared.close()
+                destroy_engine(engine)
+    gb = args.chunks * cbytes / 1e9
+    print(f"{args.chunks} chunks of {cbytes / 2**20:.0f} MiB ({gb:.2f} GB) per round, {args.rounds} rounds, "
+          f"Redis on the loopback, SSD dir {args.dir}")
+    for k, v in res.items():
+        print(f"  {k:11s} median {gb / statistics.median(v):6.2f} GB/s  ({statistics.median(v) * 1e3:.0f} ms)")
+    for op in ("put", "get"):
+        ratio = statistics.median(s / d for s, d in zip(res[f"shared_{op}"], res[f"ssd_{op}"]))
+        print(f"  {op}: shared tier takes {ratio:.2f}x the local SSD tier's time (median of per-round ratios)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""`kvtier.shared`: the options of the tier shared by several engines (a Redis, Valkey or Mooncake store that
+LMCache's remote backend speaks), parsed strictly: an unknown key, a wrong type or value raises `ConfigError`
+naming `kvtier.shared.<key>`.
+
+The store itself is LMCache's remote backend, configured the LMCache way in the same YAML (`remote_url:
+redis://...`, or `remote_storage_plugins: [redis]` with `remote_storage_plugin.redis.redis_url`); these options
+say how kvtier uses it:
+
+    extra_config:
+      kvtier.shared:
+        writes: all              # all | continuing | none
+        on_unavailable: fail     # fail | degrade
+        model_id: ""             # the model's name in shared keys (default: vLLM's model name or path)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from kvtier.storage_backends.config import ConfigError
+
+SHARED_KEY = "kvtier.shared"
+WRITE_POLICIES = ("all", "continuing", "none")
+
+
+@dataclass(frozen=True)
+class SharedTierOptions:
+    #: which chunks go to the shared store: `all` (write-through of every chunk an engine computes), `continuing`
+    #: (only chunks of requests that already continue an earlier turn: at least `min_history_chunks` of their
+    #: prompt were cached somewhere when they arrived), `none` (read only)
+    writes: str = "all"
+    #: the store does not answer at start: `fail` stops the engine (ConfigError naming the URL), `degrade` starts
+    #: with the local tiers only (logged) and uses the store once it answers
+    on_unavailable: str = "fail"
+    #: the model's name in shared keys; set the same name on every replica when their model paths differ
+    model_id: str = ""
+    #: limit of one store operation (lookup, read, write batch), seconds; then the store counts as down
+    timeout_s: float = 2.0
+    #: while the store is down, one probe every this many seconds
+    retry_s: float = 5.0
+    #: host memory that chunks waiting for their shared write may hold; beyond it new writes are dropped
+    #: (counted in kvtier_shared_dropped_writes_total), never waited for
+    max_queued_write_mb: int = 256
+    #: `writes: continuing`: chunks of a request count as a continuation when this many of its prompt chunks
+    #: were cached (GPU, host, SSD or shared) at its arrival
+    min_history_chunks: int = 2
+
+    @classmethod
+    def parse(cls, raw: Any, where: str = SHARED_KEY) -> "SharedTierOptions":
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where} must be a mapping of options (e.g. {{writes: all}}), got {raw!r}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            import difflib
+
+            hints = [f" (did you mean {where}.{m[0]}?)" if (m := difflib.get_close_matches(str(u), known, 1)) else ""
+                     for u in unknown]
+            raise ConfigError(f"unknown key(s) {', '.join(f'{where}.{u}{h}' for u, h in zip(unknown, hints))}; "
+                              f"known: {', '.join(known)}")
+        out = cls(**raw)
+        if out.writes not in WRITE_POLICIES:
+            raise ConfigError(f"{where}.writes must be one of {', '.join(WRITE_POLICIES)}, got {out.writes!r}")
+        if out.on_unavailable not in ("fail", "degrade"):
+            raise ConfigError(f"{where}.on_unavailable must be fail or degrade, got {out.on_unavailable!r}")
+        if not isinstance(out.model_id, str):
+            raise ConfigError(f"{where}.model_id must be a string, got {out.model_id!r}")
+        for name in ("timeout_s", "retry_s"):
+            v = getattr(out, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"{where}.{name} must be a number > 0, got {v!r}")
+        for name in ("max_queued_write_mb", "min_history_chunks"):
+            v = getattr(out, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "max_queued_write_mb" else 0):
+                raise ConfigError(f"{where}.{name} must be an integer >= "
+                                  f"{1 if name == 'max_queued_write_mb' else 0}, got {v!r}")
+        return out
+
+
+def remote_configured(lmcache_config: Any) -> bool:
+    """Whether an LMCache config names a remote store (`remote_url` or `remote_storage_plugins`)."""
+    return bool(getattr(lmcache_config, "remote_url", None) or getattr(lmcache_config, "remote_storage_plugins", None))

@@ -1,0 +1,225 @@
+"""kvtier's shared tier over a real Redis server (`tools/redis_server.py`) and real in-process LMCache engines
+(LMCache's own remote backend, kvtier's SSD plugin): keys, layout checks, local-first order, store faults."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("redis")
+
+from kvtier.storage_backends.config import ConfigError  # noqa: E402
+from kvtier.storage_backends.shared_config import SharedTierOptions  # noqa: E402
+from kvtier.storage_backends.shared_tier import (  # noqa: E402
+    arrange_local_first,
+    attach_shared_tier,
+    detach_remote_backends,
+)
+from kvtier.tools.engine_factory import (  # noqa: E402
+    ModelShape,
+    build_engine,
+    destroy_engine,
+    kvtier_backend,
+    load_lmcache_config,
+)
+from kvtier.tools.redis_server import RedisServer, redis_server_binary  # noqa: E402
+
+SHAPE = ModelShape("kvtier-test/tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+CHUNK = 16
+PORT = 16321
+REPO = Path(__file__).resolve().parent.parent
+
+
+def kv_for(tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, SHAPE.num_layers, tokens, SHAPE.hidden, generator=g).to(SHAPE.dtype)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    try:
+        redis_server_binary()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    server = RedisServer(PORT, tmp_path / "redis")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def engines(tmp_path):
+    """Factory: an engine from the shipped configs/lmcache-kvtier-redis.yaml (its own SSD directory)."""
+    made = []
+
+    def make(shape: ModelShape = SHAPE):
+        text = (REPO / "configs" / "lmcache-kvtier-redis.yaml").read_text()
+        text = text.replace("/var/cache/kvtier", str(tmp_path / f"ssd{len(made)}"))
+        text = text.replace("chunk_size: 256", f"chunk_size: {CHUNK}").replace("max_local_cpu_size: 5 ",
+                                                                            "max_local_cpu_size: 0.05 ")
+        text = text.replace("kvtier.ssd_capacity_gb: 100", "kvtier.ssd_capacity_gb: 0.05")
+        text = text.replace("redis://127.0.0.1:6379", f"redis://127.0.0.1:{PORT}")
+        path = tmp_path / f"lmcache-{len(made)}.yaml"
+        path.write_text(text)
+        e = build_engine(load_lmcache_config(str(path)), shape)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        detach_remote_backends(e)  # LMCache 0.5.6's own close of a redis:// backend never returns
+        destroy_engine(e)
+
+
+def keys_of(engine, tokens):
+    return [k for _, _, k in engine.token_database.process_tokens(tokens=tokens)]
+
+
+def shared(engine, layout_ok=lambda meta: True, tag="t1", **opts):
+    return attach_shared_tier(engine, layout_ok, tag, SharedTierOptions(**{"timeout_s": 1.0, "retry_s": 0.2,
+                                                                          **opts}))
+
+
+def test_chunks_written_by_one_engine_are_read_bit_exact_by_another(redis_server, engines):
+    a, b = engines(), engines()
+    sa, sb = shared(a), shared(b)
+    try:
+        tokens = torch.arange(64)
+        kv = kv_for(64, seed=1)
+        a.store(tokens, kvcaches=kv)
+        keys = keys_of(a, tokens)
+        assert sa.submit_writes(keys) == 4 and sa.flush(10)
+        assert sa.stats.writes == 4 and redis_server.dbsize() == 8  # LMCache's Redis keys: metadata + data
+        assert sb.prefix_contains(keys) == 4
+        objs = sb.read(keys)
+        assert all(o is not None for o in objs)
+        want = a.storage_manager.storage_backends["LocalCPUBackend"]
+        for k, o in zip(keys, objs):
+            mine = want.get_blocking(k)
+            assert torch.equal(o.tensor.view(torch.int16), mine.tensor.view(torch.int16))
+            mine.ref_count_down()
+            o.ref_count_down()
+        assert sb.stats.hits == 4
+        # a second write of the same chunks is not sent again
+        assert sa.submit_writes(keys) == 0
+    finally:
+        sa.close()
+        sb.close()
+
+
+def test_other_model_or_layout_never_reads_the_chunks(redis_server, engines):
+    a = engines()
+    sa = shared(a, tag="pf16.c16")
+    other_model = engines(ModelShape("kvtier-test/other", 2, 2, 16, torch.bfloat16))
+    so = shared(other_model, tag="pf16.c16")
+    other_layout = engines()
+    sl = shared(other_layout, tag="pf32.c16")
+    strict = engines()
+    ss = shared(strict, layout_ok=lambda meta: False, tag="pf16.c16")
+    try:
+        tokens = torch.arange(48)
+        a.store(tokens, kvcaches=kv_for(48))
+        assert sa.submit_writes(keys_of(a, tokens)) == 3 and sa.flush(10)
+        assert so.prefix_contains(keys_of(other_model, tokens)) == 0  # LMCache's key names the model
+        assert sl.prefix_contains(keys_of(other_layout, tokens)) == 0  # kvtier's tag names the layout
+        assert sl.read(keys_of(other_layout, tokens)) == [None] * 3
+        # same key, but the chunk does not fit this engine's layout: a counted miss, never handed out
+        assert ss.prefix_contains(keys_of(strict, tokens)) == 3
+        assert ss.read(keys_of(strict, tokens)) == [None] * 3
+        assert ss.stats.layout_mismatch == 1 and ss.stats.hits == 0
+    finally:
+        for s in (sa, so, sl, ss):
+            s.close()
+
+
+def test_local_ssd_tier_is_read_before_the_store(redis_server, engines):
+    """An engine that kvtier's connector does not build (LMCache's own remote backend, no SharedTier): LMCache
+    writes every chunk to both the SSD tier and Redis. In LMCache's fixed order its retrieve reads them from
+    Redis; after `arrange_local_first` the SSD tier serves them and Redis counts no GET."""
+    e = engines()
+    ssd = kvtier_backend(e)
+    tokens = torch.arange(96)
+    kv = kv_for(96, seed=2)
+    e.store(tokens, kvcaches=kv)
+    assert ssd.flush(30)
+    for _ in range(100):  # LMCache's remote puts are asynchronous: 6 chunks, metadata + data keys each
+        if redis_server.dbsize() >= 12:
+            break
+        time.sleep(0.1)
+    assert redis_server.dbsize() == 12
+    host = e.storage_manager.storage_backends["LocalCPUBackend"]
+
+    def retrieve() -> int:
+        host.clear()
+        redis_server.reset_stats()
+        out = torch.zeros_like(kv)
+        assert int(e.retrieve(tokens, kvcaches=out).sum()) == 96
+        assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+        return redis_server.reads()
+
+    assert retrieve() > 0 and ssd.tier.stats.hits == 0  # LMCache's own order: the network first
+    assert arrange_local_first(e) and not arrange_local_first(e)
+    assert retrieve() == 0, redis_server.commandstats()
+    assert ssd.tier.stats.hits == 6
+
+
+def test_store_down_at_start_fails_clearly_or_degrades(tmp_path, engines, caplog):
+    try:
+        redis_server_binary()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    e = engines()
+    with pytest.raises(ConfigError, match=r"does not answer at start.*remote_url.*on_unavailable: degrade"):
+        shared(e)
+    e2 = engines()
+    s = shared(e2, on_unavailable="degrade")
+    server = RedisServer(PORT, tmp_path / "redis")
+    try:
+        assert not s.up and s.health.counters.outages == 1
+        assert s.prefix_contains(keys_of(e2, torch.arange(32))) == 0
+        server.start()
+        time.sleep(0.3)
+        assert s.prefix_contains(keys_of(e2, torch.arange(32))) == 0 and s.up  # the probe found it back
+        assert s.health.counters.recoveries == 1
+    finally:
+        s.close()
+        server.stop()
+
+
+def test_store_lost_mid_run_is_a_logged_counted_miss_and_used_again_once_back(redis_server, engines, caplog):
+    a, b = engines(), engines()
+    sa, sb = shared(a), shared(b)
+    try:
+        tokens = torch.arange(64)
+        a.store(tokens, kvcaches=kv_for(64))
+        keys = keys_of(b, tokens)
+        assert sa.submit_writes(keys_of(a, tokens)) == 4 and sa.flush(10)
+        redis_server.kill()
+        with caplog.at_level(logging.WARNING, logger="kvtier.storage_backends.shared_health"):
+            assert sb.read(keys) == [None] * 4
+            assert not sb.up
+            skipped = sb.health.counters.skipped
+            for _ in range(20):  # while down: misses without asking the store (at most one probe), no new log line
+                assert sb.prefix_contains(keys) == 0
+            assert sb.health.counters.skipped >= skipped + 19
+        lost = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(lost) == 1 and "redis://127.0.0.1" in lost[0].getMessage()
+        assert sb.health.counters.outages == 1 and sb.health.counters.skipped > 0
+        # writes while the store is down are dropped (counted), never queued on host memory
+        b.store(tokens, kvcaches=kv_for(64))
+        assert sb.submit_writes(keys) == 0 and sb.stats.dropped_writes == 4
+        redis_server.start()  # empty: it kept nothing
+        time.sleep(0.3)
+        assert sb.prefix_contains(keys) == 0 and sb.up and sb.health.counters.recoveries == 1
+        assert sb.submit_writes(keys) == 4 and sb.flush(10)
+        # A's pooled connection died with the old server: retried once on a new one, it finds B's chunks at once
+        assert sa.prefix_contains(keys_of(a, tokens)) == 4 and sa.up and sa.health.counters.outages == 0
+    finally:
+        sa.close()
+        sb.close()

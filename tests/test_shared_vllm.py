@@ -1,0 +1,269 @@
+"""The tier shared by several engines, end to end: two real vLLM CPU engine processes with the kvtier connector and
+one real Redis server (`tools/redis_server.py`), configured from the shipped `configs/lmcache-kvtier-redis.yaml`.
+
+The engines (and a third one without a connector, the reference) stay up for the whole module and take prompts
+one step at a time over a pipe, so the test decides what runs where and when the store dies:
+
+- turn 1 of conversations 0-2 on engine A; turn 2 of conversation 0 on engine B loads A's history from Redis
+  (hits counted by tier, vLLM's own `cached_by_source` too), with tokens identical to the reference engine's;
+- turn 3 of conversation 0 on B is served from B's own host/SSD tiers: Redis's own `INFO commandstats` shows not
+  one GET (local first);
+- Redis killed: conversation 1's turn 2 on B completes with identical tokens (recomputed), the outage is counted;
+- Redis restarted (empty): A's new conversation 3 is written again and B's turn 2 of it hits the store again;
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("redis")
+
+from kvtier.tools.redis_server import RedisServer, redis_server_binary  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+REDIS_PORT = 16311
+BLOCK = CHUNK = 32
+CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 32 * 4  # K/V x layers x tokens x kv heads x head dim x fp32
+
+MODEL_SCRIPT = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, initializer_range=0.2)
+LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
+"""
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "LMCACHE_TRACK_USAGE": "false",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TRITON_INTERPRET": "0",
+                # three engines at once on a small machine: no thread pinning, one OpenMP thread each
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
+    return env
+
+SERVE_SCRIPT = '''
+import json, sys
+
+
+def main():
+    args = json.loads(open(sys.argv[1]).read())
+    import faulthandler
+
+    faulthandler.dump_traceback_later(args.get("watchdog_s", 1200), exit=True)
+    from vllm import LLM, SamplingParams
+
+    kw = {}
+    if args.get("kv_transfer_config"):
+        kw["kv_transfer_config"] = args["kv_transfer_config"]
+    llm = LLM(model=args["model"], skip_tokenizer_init=True, load_format="auto", dtype="float32",
+              enforce_eager=True, block_size=%(block)d, max_model_len=1024, enable_prefix_caching=False,
+              max_num_seqs=4, disable_log_stats=False, seed=0, **kw)
+    conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    print("KVTIER-READY", flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], logprobs=0, ignore_eos=True)
+        res = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
+        out = {"outputs": [list(r.outputs[0].token_ids) for r in res]}
+        if conn is not None:
+            out.update(conn.scheduler_side.snapshot())
+            from kvtier.connector.metrics import kvtier_samples
+
+            out["metrics"] = kvtier_samples()
+        src = {}
+        for x in llm.get_metrics():
+            if x.name == "vllm:prompt_tokens_cached_by_source":
+                src[x.labels.get("source", "?")] = x.value
+        out["cached_by_source"] = src
+        print("KVTIER-RESULT " + json.dumps(out), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
+''' % {"block": BLOCK}
+
+
+class Engine:
+    """One vLLM engine process taking prompts over its stdin; always ended by `close()`."""
+
+    def __init__(self, work: Path, name: str, args: dict) -> None:
+        script = work / "serve.py"
+        script.write_text(SERVE_SCRIPT)
+        (work / f"{name}.args.json").write_text(json.dumps(args))
+        self.name = name
+        self.log = open(work / f"{name}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(script), str(work / f"{name}.args.json")], cwd=work,
+                                     env=engine_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1)
+        self.log_path = work / f"{name}.log"
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("KVTIER-"):
+                self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def _line(self, prefix: str, timeout: float) -> str:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            line = None
+        if line is None or not line.startswith(prefix):
+            self.log.flush()
+            raise AssertionError(f"engine {self.name} gave no {prefix!r} (rc {self.proc.poll()}, got {line!r}):\n"
+                                 f"{self.log_path.read_text()[-6000:]}")
+        return line[len(prefix):]
+
+    def ready(self, timeout: float = 400) -> "Engine":
+        self._line("KVTIER-READY", timeout)
+        return self
+
+    def run(self, prompts: list[list[int]], max_tokens: int = 16, timeout: float = 300) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line("KVTIER-RESULT ", timeout))
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+        except Exception:
+            pass
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+
+def shared_yaml(work: Path, name: str) -> Path:
+    text = (REPO / "configs" / "lmcache-kvtier-redis.yaml").read_text()
+    text = text.replace("/var/cache/kvtier", str(work / f"ssd-{name}")).replace("chunk_size: 256",
+                                                                              f"chunk_size: {CHUNK}")
+    text = text.replace("max_local_cpu_size: 5 ", f"max_local_cpu_size: {64 * CHUNK_BYTES / (1 << 30):.9f} ")
+    text = text.replace("kvtier.ssd_capacity_gb: 100", "kvtier.ssd_capacity_gb: 0.05")
+    text = text.replace("redis://127.0.0.1:6379", f"redis://127.0.0.1:{REDIS_PORT}")
+    text = text.replace("    # retry_s: 5.0", "    retry_s: 0.5").replace("    # timeout_s: 2.0", "    timeout_s: 1.0")
+    path = work / f"lmcache-{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def kv_config(yaml_path: Path, name: str) -> dict:
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "engine_id": f"kvtier-shared-{name}",
+            "kv_connector_extra_config": {"config_file": str(yaml_path)}}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        redis_server_binary()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    work = tmp_path_factory.mktemp("shared")
+    model = work / "model"
+    subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True,
+                   env=engine_env(), timeout=300)
+    redis = RedisServer(REDIS_PORT, work / "redis")
+    engines: dict[str, Engine] = {}
+    try:
+        redis.start()
+        base = {"model": str(model)}
+        engines["ref"] = Engine(work, "ref", base)
+        for name in ("a", "b"):
+            engines[name] = Engine(work, name, dict(base, kv_transfer_config=kv_config(shared_yaml(work, name),
+                                                                                       name)))
+        for e in engines.values():
+            e.ready()
+        yield {"redis": redis, "work": work, **engines}
+    finally:
+        for e in engines.values():
+            e.close()
+        redis.stop()
+
+
+def _metric(res: dict, name: str) -> float:
+    return res.get("metrics", {}).get(name, 0)
+
+
+def _remote_hits(res: dict) -> float:
+    return _metric(res, "kvtier_connector_hit_tokens_total/tier=remote")
+
+
+def test_turns_across_engines_share_kv_through_redis(cluster):
+    a, b, ref, redis = cluster["a"], cluster["b"], cluster["ref"], cluster["redis"]
+    rng = random.Random(7)
+    convs = [[[rng.randrange(1, 1000) for _ in range(n)] for n in (70, 40, 30)] for _ in range(4)]
+    t1 = [c[0] for c in convs[:3]]
+
+    # turn 1 on A (and on the reference engine): A writes its chunks through to Redis
+    got_a, want = a.run(t1), ref.run(t1)
+    assert got_a["outputs"] == want["outputs"]
+    assert got_a["storage"]["shared"]["writes"] > 0 and redis.dbsize() == 2 * got_a["storage"]["shared"]["writes"]
+    hist = [p + o for p, o in zip(t1, got_a["outputs"])]  # 86 tokens each: two full 32-token chunks
+
+    # turn 2 of conversation 0 on B: its history comes from Redis (A computed it)
+    p2 = hist[0] + convs[0][1]
+    got_b, want = b.run([p2]), ref.run([p2])
+    assert got_b["outputs"] == want["outputs"]
+    assert got_b["admitted"][-1][1:] == [64, 0, 64], got_b["admitted"]  # 64 tokens loaded, all of them remote
+    assert _remote_hits(got_b) == 64 and got_b["storage"]["shared"]["hits"] == 2
+    assert got_b["cached_by_source"].get("external_unspecified", 0) == 64, got_b["cached_by_source"]
+
+    # turn 3 of conversation 0 on B again: served by B's own tiers, Redis is not read at all
+    gets = redis.reads()
+    p3 = p2 + got_b["outputs"][0] + convs[0][2]
+    got_b3, want = b.run([p3]), ref.run([p3])
+    assert got_b3["outputs"] == want["outputs"]
+    assert got_b3["admitted"][-1][1] >= 128 and got_b3["admitted"][-1][3] == 0, got_b3["admitted"]
+    assert redis.reads() == gets, redis.commandstats()
+    assert _remote_hits(got_b3) == 64
+
+    # Redis lost: B's turn 2 of conversation 1 (history only in Redis) completes by recomputation
+    redis.kill()
+    p_lost = hist[1] + convs[1][1]
+    got_lost = b.run([p_lost])
+    assert got_lost["outputs"] == ref.run([p_lost])["outputs"]
+    assert got_lost["admitted"][-1][1] == 0
+    sh = got_lost["storage"]["shared"]
+    assert not sh["up"] and sh["health"]["outages"] == 1 and sh["health"]["errors"] >= 1, sh
+    assert _remote_hits(got_lost) == 64
+    assert _metric(got_lost, "kvtier_connector_load_error_blocks_total") == 0
+
+    # Redis back (empty): A's new conversation is written again and B reads it from the store
+    redis.start()
+    time.sleep(0.6)  # retry_s: the next operation probes the store
+    got_a4 = a.run([convs[3][0]])
+    sh = got_a4["storage"]["shared"]
+    # A never saw the outage: its pooled connection, broken by the restart, was replaced on a retry
+    assert sh["up"] and sh["health"]["outages"] == 0 and sh["writes"] > got_a["storage"]["shared"]["writes"], sh
+    p4 = convs[3][0] + got_a4["outputs"][0] + convs[3][1]
+    time.sleep(0.6)
+    got_b4 = b.run([p4])
+    assert got_b4["outputs"] == ref.run([p4])["outputs"]
+    assert got_b4["admitted"][-1][1:] == [64, 0, 64], got_b4["admitted"]
+    assert got_b4["storage"]["shared"]["up"] and got_b4["storage"]["shared"]["health"]["recoveries"] == 1
+    assert _remote_hits(got_b4) == 128
