@@ -179,14 +179,16 @@ def test_async_loading_path(lmcache_yaml):
 
 
 def test_slow_ssd_applies_backpressure_instead_of_dropping(lmcache_yaml, monkeypatch):
-    """64 chunks through a host pool of 16 while SSD writes lag: none is lost on the way to the SSD tier."""
+    """64 chunks through a host pool of 24 while SSD writes lag: none is lost on the way to the SSD tier."""
     import time
 
     big = ModelShape("kvtier-test/wide", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     per_chunk = big.chunk_bytes(CHUNK)  # 128 KiB
     # A generous drain timeout: on a loaded CI machine 10 s can pass without a drop being wrong; what this test
-    # checks is that a lagging SSD makes stores wait, not drop.
-    cfg = load_lmcache_config(lmcache_yaml(host_gb=16 * per_chunk / (1 << 30), max_inflight_write_mb=1,
+    # checks is that a lagging SSD makes stores wait, not drop. The host pool has room for the 8 queued chunks
+    # (1 MiB) plus a whole 8-chunk store with slack: at exactly 16 chunks LMCache's allocator sometimes found no
+    # room for a store's last chunk and skipped the store itself (LMCache's choice, before the plugin sees it).
+    cfg = load_lmcache_config(lmcache_yaml(host_gb=24 * per_chunk / (1 << 30), max_inflight_write_mb=1,
                                            ssd_capacity_gb=0.05, backpressure_timeout_s=300))
     e = build_engine(cfg, big)
     try:
