@@ -111,26 +111,14 @@ class TransferQueue:
         """Block until no job of `req_ids` is queued or running; False if `timeout` passed first."""
         ids = list(req_ids)
         self.release()
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while any(self._pending.get(r, 0) for r in ids):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            return self._cond.wait_for(lambda: not any(self._pending.get(r, 0) for r in ids), timeout)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Block until every submitted job has finished; False if `timeout` passed first."""
         self.release()
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            return self._cond.wait_for(lambda: not self._pending, timeout)
 
     def tick(self) -> None:
         """One engine step passed: held jobs are one step closer to running."""

@@ -96,14 +96,8 @@ class WriteQueue:
             return key in self._pending
 
     def flush(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+            return self._cond.wait_for(lambda: not self._pending, timeout)
 
     def close(self) -> None:
         with self._cond:
