@@ -17,7 +17,10 @@ Queues of a `DualQueuePolicy`:
   `next_prefetch` hands the next read to the prefetcher and marks the request `LOADING`.
 - **delay-hit avoidance** (`delay_hit=True`): a ready request whose hint reports at least
   `delay_hit_threshold_tokens` prefix tokens being computed or loaded by another in-flight request
-  (`TierHint.inflight_tokens`) is passed over until a newer hint reports them landed, instead of recomputing them.
+  (`TierHint.inflight_tokens`) is passed over until a newer hint reports them landed, instead of recomputing them;
+  and the idle-GPU re-plan (`replan_idle`) does not recompute a prefix that is on its way: neither such a
+  request's SSD part nor that of a request whose own SSD read is already issued (Strata: a prefix being computed
+  *or loaded* is waited for).
 - **load or recompute**: `planner` (a `LoadPlanner` built from `load_plan`) is the engine's one decision object;
   the connector and the simulator derive hints with it (`hint_derivation.derive_tier_hint`), so a request whose
   SSD part is cheaper to recompute arrives READY instead of PREPARING. `gpu_backlog_s()` / `ssd_backlog_bytes()`
@@ -293,6 +296,8 @@ class DualQueuePolicy:
         """The GPU is about to idle with nothing admissible: recompute the SSD part of the preparing or loading
         request that gains most by it (`LoadPlanner.recompute_now`: an earlier first token than waiting for its
         read, which lands in `read_s(hint)` seconds at best; an issued read is left to finish into host memory).
+        With delay-hit avoidance a request whose hint counts `inflight_tokens` (another request's read or prefill
+        is bringing that part of its prefix) is not recomputed: it waits for them, as in the ready queue.
         Returns that request, now READY, or None."""
         best: _Waiting | None = None
         best_gain, best_read = 0.0, 0.0
@@ -301,6 +306,8 @@ class DualQueuePolicy:
             plan = w.hint.plan
             if plan is None or (free_gpu is not None and w.gpu_need > free_gpu):
                 continue
+            if self.config.delay_hit and (w.where == "loading" or self._deferred(w)):
+                continue  # delay hit: its prefix is being loaded (by its own read or another's) or computed
             rs = read_s(w.hint)
             gain = rs + plan.gpu_s - plan.fallback_gpu_s
             if gain > best_gain:

@@ -197,6 +197,35 @@ def test_idle_gpu_replan_promotes_the_request_that_gains_most():
     assert p.planner.stats["replan_recompute_ssd"] == 1
 
 
+def test_idle_gpu_replan_leaves_a_prefix_another_request_brings_to_delay_hit():
+    """Delay hit covers loads too: with avoidance on, a request whose SSD part another request's read (or prefill)
+    is bringing (`inflight_tokens`), or its own issued read, is not recomputed at an idle GPU; the others still
+    are."""
+    res = Residency(host_end=4096, hit_end=14_336, ssd_tokens=10_240, ssd_bytes=10_240 * KV)
+    for delay_hit, expect in ((True, "s1"), (False, "s2")):
+        p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, delay_hit=delay_hit))
+        for rid, arr, inflight in (("s1", 1.0, 0), ("s2", 2.0, 10_240)):
+            h = derive_tier_hint(rid, arr, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                                 context=PlanContext(gpu_wait_s=3.0), inflight_tokens=inflight)
+            p.add(h, 100)
+        # s2 gains most (its read is the longer one) but its prefix is on its way
+        assert p.replan_idle(lambda h: READ_S * (2 if h.request_id == "s2" else 1)) == expect, delay_hit
+        assert p.hint(expect).state is TierState.READY
+    p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, delay_hit=True))
+    h = derive_tier_hint("s2", 2.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                         context=PlanContext(gpu_wait_s=3.0), inflight_tokens=10_240)
+    p.add(h, 100)
+    assert p.replan_idle(lambda h: 10 * READ_S) is None and p.preparing_ids() == ["s2"]
+    # its own read in flight (LOADING) counts as a load too: with avoidance it waits for it, without it is replanned
+    for delay_hit, expect in ((True, None), (False, "s1")):
+        p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, delay_hit=delay_hit))
+        h = derive_tier_hint("s1", 1.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                             context=PlanContext(gpu_wait_s=3.0))
+        p.add(h, 100)
+        assert p.next_prefetch(3.0) == "s1" and p.loading_ids() == ["s1"]
+        assert p.replan_idle(lambda h: 10 * READ_S) == expect, delay_hit
+
+
 # --- HRRN ready order ----------------------------------------------------------------------------------------------
 
 
