@@ -14,7 +14,8 @@ shared-prefix workload, and the per-step decision cost.
    counts equal.
 2. Shared-prefix workload (`kvtier.tools.workloads`, seeded; task rate chosen so that `fcfs` keeps the GPU 85%
    busy, the 1 s fan-out window unscaled): delay-hit avoidance must cut recomputed tokens by >= 30% against the
-   same dual-queue scheduler without it, on every reported seed (`--shared-prefix-seeds`, default 1,2,3; seed 0
+   same dual-queue scheduler without it, on every reported seed (also reported: `+delay-hit+own-loads`, which
+   also waits for a request's own issued read at an idle GPU instead of recomputing it) (`--shared-prefix-seeds`, default 1,2,3; seed 0
    is the generator's tuning seed, on which its parameters were set, and is not reported).
 3. Decision cost: one scheduling step of `DualQueuePolicy` with 1,000 waiting requests (host-ready, SSD-preparing,
    loading, delay-hit-deferred and oversized ones), both ready orders: `order()` of the whole queue, the vLLM
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from kvtier.scheduler_hooks.dual_queue_policy import (
     KVTIER_SCHEDULER_NAMES,
+    OWN_LOADS_NAMES,
     DualQueueConfig,
     DualQueuePolicy,
     FCFSPolicy,
@@ -160,12 +162,13 @@ def shared_prefix(base: SimConfig, load: float, requests: int, tmp: Path, seed: 
           f"{stats['share_fraction']:.1%} share >= 6K prefix tokens with another request within 1 s; "
           f"FCFS load {work / span:.2f}")
     runs = {s: simulate(reqs, replace(base, scheduler=s, time_scale=1.0)) for s in
-            ("fcfs+prefetch", "recompute") + KVTIER_SCHEDULER_NAMES}
+            ("fcfs+prefetch", "recompute") + KVTIER_SCHEDULER_NAMES + OWN_LOADS_NAMES}
     print_table(list(runs.values()))
     out = {"spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__}, "stats": stats,
            "runs": {k: v.to_json() for k, v in runs.items()}, "checks": {}}
-    for plain in ("dual-queue", "dual-queue+hrrn"):
-        dh = plain + "+delay-hit"
+    for plain, dh in (("dual-queue", "dual-queue+delay-hit"), ("dual-queue+hrrn", "dual-queue+hrrn+delay-hit"),
+                      ("dual-queue", "dual-queue+delay-hit+own-loads"),
+                      ("dual-queue+hrrn", "dual-queue+hrrn+delay-hit+own-loads")):
         a, b = runs[plain].recomputed_tokens, runs[dh].recomputed_tokens
         cut = 1 - b / a if a else 0.0
         ia, ib = runs[plain].recomputed["inflight"], runs[dh].recomputed["inflight"]
