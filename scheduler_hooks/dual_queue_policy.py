@@ -17,7 +17,11 @@ Queues of a `DualQueuePolicy`:
   `next_prefetch` hands the next read to the prefetcher and marks the request `LOADING`.
 - **delay-hit avoidance** (`delay_hit=True`): a ready request whose hint reports at least
   `delay_hit_threshold_tokens` prefix tokens being computed or loaded by another in-flight request
-  (`TierHint.inflight_tokens`) is passed over until a newer hint reports them landed, instead of recomputing them.
+  (`TierHint.inflight_tokens`) is passed over until a newer hint reports them landed, instead of recomputing them;
+  and the idle-GPU re-plan (`replan_idle`) does not recompute such a request's SSD part (Strata: a prefix being
+  computed *or loaded* by another request is waited for). `delay_hit_own_loads=True` extends that to a request
+  whose *own* SSD read is issued: it waits for the read at an idle GPU (fewer recomputed tokens; gives up the load
+  plan's "never slower than recomputing at an idle GPU" for that request).
 - **load or recompute**: `planner` (a `LoadPlanner` built from `load_plan`) is the engine's one decision object;
   the connector and the simulator derive hints with it (`hint_derivation.derive_tier_hint`), so a request whose
   SSD part is cheaper to recompute arrives READY instead of PREPARING. `gpu_backlog_s()` / `ssd_backlog_bytes()`
@@ -62,6 +66,7 @@ __all__ = [
     "BASELINE_NAMES",
     "DUAL_QUEUE_MODIFIERS",
     "KVTIER_SCHEDULER_NAMES",
+    "OWN_LOADS_NAMES",
     "READY_ORDERS",
     "SCHEDULER_KEYS",
     "SCHEDULER_NAMES",
@@ -75,7 +80,7 @@ __all__ = [
 
 READY_ORDERS = ("arrival", "hrrn")
 #: keys of `kv_connector_extra_config["kvtier.scheduler"]` (README, "Using kvtier with vLLM")
-SCHEDULER_KEYS = ("delay_hit", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s",
+SCHEDULER_KEYS = ("delay_hit", "delay_hit_own_loads", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s",
                   "mean_window", "ready_order") + LOAD_PLAN_KEYS
 
 
@@ -84,6 +89,8 @@ class DualQueueConfig:
     """Knobs of `DualQueuePolicy` (defaults: the values used in production and by `kvtier simulate`)."""
 
     delay_hit: bool = True
+    #: with `delay_hit`: the idle-GPU re-plan does not recompute an SSD part whose own read is already issued
+    delay_hit_own_loads: bool = False
     delay_hit_threshold_tokens: int = 100
     starvation_multiple: float = 4.0
     starvation_floor_s: float = 2.0
@@ -107,10 +114,11 @@ class DualQueueConfig:
         if unknown:
             raise ValueError(f"{prefix}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SCHEDULER_KEYS)}")
         out: dict = {}
-        if "delay_hit" in keys:
-            if not isinstance(keys["delay_hit"], bool):
-                raise ValueError(f"{prefix}.delay_hit must be true or false, got {keys['delay_hit']!r}")
-            out["delay_hit"] = keys["delay_hit"]
+        for key in ("delay_hit", "delay_hit_own_loads"):
+            if key in keys:
+                if not isinstance(keys[key], bool):
+                    raise ValueError(f"{prefix}.{key} must be true or false, got {keys[key]!r}")
+                out[key] = keys[key]
         for key in ("delay_hit_threshold_tokens", "mean_window"):
             if key in keys:
                 v = keys[key]
@@ -293,6 +301,9 @@ class DualQueuePolicy:
         """The GPU is about to idle with nothing admissible: recompute the SSD part of the preparing or loading
         request that gains most by it (`LoadPlanner.recompute_now`: an earlier first token than waiting for its
         read, which lands in `read_s(hint)` seconds at best; an issued read is left to finish into host memory).
+        With delay-hit avoidance a request whose hint counts `inflight_tokens` (another request's read or prefill
+        is bringing that part of its prefix) is not recomputed: it waits for them, as in the ready queue; with
+        `delay_hit_own_loads` neither is one whose own read is issued.
         Returns that request, now READY, or None."""
         best: _Waiting | None = None
         best_gain, best_read = 0.0, 0.0
@@ -301,6 +312,9 @@ class DualQueuePolicy:
             plan = w.hint.plan
             if plan is None or (free_gpu is not None and w.gpu_need > free_gpu):
                 continue
+            if self._deferred(w) or (w.where == "loading" and self.config.delay_hit and
+                                     self.config.delay_hit_own_loads):
+                continue  # delay hit: its prefix is being loaded or computed by another request (or its own read)
             rs = read_s(w.hint)
             gain = rs + plan.gpu_s - plan.fallback_gpu_s
             if gain > best_gain:
@@ -672,8 +686,10 @@ class FCFSPolicy:
 BASELINE_NAMES = ("fcfs", "fcfs+prefetch", "recompute")
 #: kvtier's schedulers (every dual-queue name may add the modifiers `+hrrn`, `+delay-hit`, `+always-load`)
 KVTIER_SCHEDULER_NAMES = ("dual-queue", "dual-queue+delay-hit", "dual-queue+hrrn", "dual-queue+hrrn+delay-hit")
+#: delay-hit variants that also wait for their own issued reads (`delay_hit_own_loads`)
+OWN_LOADS_NAMES = ("dual-queue+delay-hit+own-loads", "dual-queue+hrrn+delay-hit+own-loads")
 SCHEDULER_NAMES = BASELINE_NAMES + KVTIER_SCHEDULER_NAMES
-DUAL_QUEUE_MODIFIERS = ("hrrn", "delay-hit", "always-load")
+DUAL_QUEUE_MODIFIERS = ("hrrn", "delay-hit", "own-loads", "always-load")
 
 
 def make_scheduling_policy(name: str, config: DualQueueConfig | None = None) -> SchedulingPolicy:
@@ -684,7 +700,8 @@ def make_scheduling_policy(name: str, config: DualQueueConfig | None = None) -> 
     - `fcfs+prefetch`: the same order, SSD reads issued eagerly in arrival order.
     - `dual-queue[+hrrn][+delay-hit][+always-load]`: kvtier's `DualQueuePolicy` with `config`'s knobs, except that
       the name decides the ready order (`+hrrn`, else `arrival`), delay-hit avoidance (`+delay-hit`, else off) and
-      the load plan (`+always-load` turns load-or-recompute off: everything cached is loaded).
+      the load plan (`+always-load` turns load-or-recompute off: everything cached is loaded); `+own-loads`
+      (with `+delay-hit`) sets `delay_hit_own_loads`.
     """
     if name == "fcfs":
         return FCFSPolicy(prefetch=False)
@@ -700,8 +717,10 @@ def make_scheduling_policy(name: str, config: DualQueueConfig | None = None) -> 
         plan = cfg.load_plan
         if "always-load" in mods:
             plan = replace(plan, load_or_recompute=False)
-        cfg = replace(cfg, delay_hit="delay-hit" in mods, ready_order="hrrn" if "hrrn" in mods else "arrival",
-                      load_plan=plan)
+        if "own-loads" in mods and "delay-hit" not in mods:
+            raise ValueError(f"scheduler {name!r}: +own-loads needs +delay-hit")
+        cfg = replace(cfg, delay_hit="delay-hit" in mods, delay_hit_own_loads="own-loads" in mods,
+                      ready_order="hrrn" if "hrrn" in mods else "arrival", load_plan=plan)
         p = DualQueuePolicy(cfg)
         p.name = name
         return p

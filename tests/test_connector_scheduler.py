@@ -390,6 +390,19 @@ def test_idle_gpu_replans_a_waiting_ssd_read_and_prefetches_calibrate_the_plan(r
     assert out.num_scheduled_tokens.get("ssd") == 80 and not out.kv_connector_metadata.loads
 
 
+def test_delay_hit_own_loads_waits_for_the_issued_read_at_an_idle_gpu(request):
+    """The same slow read with `delay_hit_own_loads`: the idle engine does not re-plan the request whose read is in
+    flight (the read is waited for, not recomputed)."""
+    sched, storage = _plan_scheduler(request, {"ssd_read_gbps": 6.4e-5, "delay_hit_own_loads": True},
+                                     polls_needed=10**9)
+    conn = sched.connector
+    sched.add_request(make_request("ssd", 2))
+    assert [c["rid"] for c in storage.calls if c["op"] == "prefetch"] == ["ssd"]
+    for _ in range(3):
+        assert not sched.schedule().num_scheduled_tokens
+    assert conn.scheduler_side.counters["idle_replans"] == 0
+
+
 def test_prefetch_durations_calibrate_the_planners_ssd_bandwidth(request):
     """The fake storage reports 64 KiB read in 10 ms (6.5 MB/s): the planner's SSD bandwidth (1.5 GB/s by default)
     moves toward it once the prefetch lands."""

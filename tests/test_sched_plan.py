@@ -136,10 +136,13 @@ def test_scheduler_keys_are_parsed_and_errors_name_the_key():
     for bad, key in (({"ssd_read_gbs": 1.0}, "ssd_read_gbs"), ({"ssd_read_gbps": -1}, "ssd_read_gbps"),
                      ({"ready_order": "lifo"}, "ready_order"), ({"load_or_recompute": "yes"}, "load_or_recompute"),
                      ({"delay_hit_threshold_tokens": 0}, "delay_hit_threshold_tokens"),
+                     ({"delay_hit_own_loads": "yes"}, "delay_hit_own_loads"),
                      ({"calibration_weight": 2}, "calibration_weight"), ({"kv_bytes_per_token": 1.5}, "kv_bytes")):
         with pytest.raises(ValueError, match=f"kvtier.scheduler.*{key}"):
             DualQueueConfig.from_keys(bad)
     assert "ready_order" in SCHEDULER_KEYS and "recompute_gpu_weight" in SCHEDULER_KEYS
+    assert DualQueueConfig.from_keys({"delay_hit_own_loads": True}).delay_hit_own_loads
+    assert not DualQueueConfig.from_keys({}).delay_hit_own_loads  # production keeps the idle-GPU guarantee
 
 
 # --- hint derivation -----------------------------------------------------------------------------------------------
@@ -195,6 +198,35 @@ def test_idle_gpu_replan_promotes_the_request_that_gains_most():
     assert rid == "s2" and p.hint("s2").state is TierState.READY and p.hint("s2").plan.ssd is LoadAction.RECOMPUTE
     assert p.pick(3.0) == "s2" and p.preparing_ids() == ["s1"]
     assert p.planner.stats["replan_recompute_ssd"] == 1
+
+
+def test_idle_gpu_replan_leaves_a_prefix_another_request_brings_to_delay_hit():
+    """Delay hit covers loads too: with avoidance on, a request whose SSD part another request's read (or prefill)
+    is bringing (`inflight_tokens`) is not recomputed at an idle GPU, nor with `delay_hit_own_loads` one whose own
+    read is issued; the others still are."""
+    res = Residency(host_end=4096, hit_end=14_336, ssd_tokens=10_240, ssd_bytes=10_240 * KV)
+    for delay_hit, expect in ((True, "s1"), (False, "s2")):
+        p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, delay_hit=delay_hit))
+        for rid, arr, inflight in (("s1", 1.0, 0), ("s2", 2.0, 10_240)):
+            h = derive_tier_hint(rid, arr, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                                 context=PlanContext(gpu_wait_s=3.0), inflight_tokens=inflight)
+            p.add(h, 100)
+        # s2 gains most (its read is the longer one) but its prefix is on its way
+        assert p.replan_idle(lambda h: READ_S * (2 if h.request_id == "s2" else 1)) == expect, delay_hit
+        assert p.hint(expect).state is TierState.READY
+    p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, delay_hit=True))
+    h = derive_tier_hint("s2", 2.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                         context=PlanContext(gpu_wait_s=3.0), inflight_tokens=10_240)
+    p.add(h, 100)
+    assert p.replan_idle(lambda h: 10 * READ_S) is None and p.preparing_ids() == ["s2"]
+    # its own read in flight (LOADING): replanned unless `delay_hit_own_loads` (then it waits for its read)
+    for own, expect in ((True, None), (False, "s1")):
+        p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, delay_hit=True, delay_hit_own_loads=own))
+        h = derive_tier_hint("s1", 1.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                             context=PlanContext(gpu_wait_s=3.0))
+        p.add(h, 100)
+        assert p.next_prefetch(3.0) == "s1" and p.loading_ids() == ["s1"]
+        assert p.replan_idle(lambda h: 10 * READ_S) == expect, own
 
 
 # --- HRRN ready order ----------------------------------------------------------------------------------------------

@@ -25,6 +25,9 @@ The modelled system (one GPU; all choices below are the simulator's, documented 
   earlier chunks have landed by then (GPU cache, host tier, SSD queue); the last chunk's blocks are *computing*
   until the prefill ends. A request admitted in that window whose prompt continues into them recomputes them,
   unless delay-hit avoidance holds it until they land (`+delay-hit`). Its work starts when the GPU is free.
+  Loads count too: SSD blocks of a waiting request that another request's prefetch is reading are in its hint's
+  `inflight_tokens`, and a recompute of them is counted `inflight`; with `+delay-hit` the idle-GPU re-plan
+  recomputes neither them nor an SSD part whose own read is issued (`DualQueuePolicy.replan_idle`).
 - A prefix is used up to its first block that is resident nowhere (or still computing); everything after is
   recomputed. The load plan may cut it earlier: a plan that recomputes the SSD part uses only what is on the GPU
   or in host memory at admission.
@@ -372,17 +375,39 @@ class Simulator:
                            ssd_wait_s=ssd_ahead / (self.cost.ssd_read_bytes_per_s * share), ssd_read_share=share)
 
     def _read_s(self, hint: TierHint) -> float:
-        """Seconds until `hint`'s SSD part lands: its read's remainder if issued, else if it were issued next."""
+        """Seconds until `hint`'s SSD part lands: its read's remainder if issued (or if another request's read in
+        flight brings all of it), else if it were issued next."""
         rate = self.cost.ssd_read_bytes_per_s * self.dev.current_read_share()
-        if hint.state is TierState.LOADING:
+        r = self.waiting.get(hint.request_id)
+        riding = r is not None and self._ssd_part_loading(r)[1]
+        if hint.state is TierState.LOADING or riding:
             return self.dev.read_backlog / rate
         return (self.dev.read_backlog + hint.ssd_bytes) / rate
+
+    def _ssd_part_loading(self, r: SimRequest) -> tuple[int, bool]:
+        """(tokens of `r`'s SSD-only prefix blocks that another request's read in flight is bringing into host
+        memory, whether that is all of its SSD part): Strata's delay hit covers loads as well as computations."""
+        if not self.loading:
+            return 0, False
+        n, whole = 0, True
+        staged = self.staged.get(r.rid, ())
+        for i, b in enumerate(r.blocks):
+            if b in self.gpu or b in self.host or b in staged:
+                continue
+            if b not in self.ssd:
+                break
+            owner = self.loading.get(b)
+            if owner is not None and owner != r.rid:
+                n += self._block_tokens(r, i)
+            else:
+                whole = False
+        return n, whole and n > 0
 
     def _hint(self, r: SimRequest) -> TierHint:
         """What the connector would publish for `r` now (`derive_tier_hint` over the simulator's tiers)."""
         gpu, res, stop = self._walk(r)
         owners = ((self.computing.get(b), self._block_tokens(r, stop + k)) for k, b in enumerate(r.blocks[stop:]))
-        inflight = count_inflight(owners, r.rid)
+        inflight = count_inflight(owners, r.rid) + self._ssd_part_loading(r)[0]
         phase = self.phase.get(r.rid, PrefetchPhase.NONE)
         planner = self.planner if self.tiers else None
         t0 = time.perf_counter()
@@ -553,6 +578,12 @@ class Simulator:
             self.reading = rid
             self.read_order.append(rid)
             self.dev.submit_read(self.now, ("prefetch", rid, todo), nbytes)
+            riders: set[str] = set()
+            for b in todo:
+                riders |= self.waiters_of.get(b, set())
+            riders.discard(rid)
+            for w in riders:  # their SSD part is in flight now: their hints count it (delay hit on a load)
+                self._publish(w)
             return
 
     def _on_prefetch_done(self, rid: str, blocks: list[int]) -> None:
@@ -663,7 +694,9 @@ class Simulator:
             cached += t
         if stop < len(r.blocks):  # blocks past the cut that existed are recomputed, for the cut's reason
             b0 = r.blocks[stop]
-            why = "plan" if cut_by_plan else ("inflight" if b0 in self.computing or b0 in self.loading else "evicted")
+            loaded_by_other = self.loading.get(b0, rid) != rid  # another request's read was bringing it
+            why = "inflight" if b0 in self.computing or loaded_by_other else ("plan" if cut_by_plan else (
+                "inflight" if b0 in self.loading else "evicted"))
             for k, b in enumerate(r.blocks[stop:]):
                 if b in self.seen or b in self.computing or b in self.loading or b in staged:
                     self.recomputed[why] += self._block_tokens(r, stop + k)
