@@ -16,7 +16,7 @@ engine steps (`debug_save_hold_steps`). Driven through `LLMEngine.step`:
 Checked: holdA's blocks were held (`delayed_frees`), D loaded exactly its 96 tokens from the host tier without a
 load error, and D's loaded KV equals holdA's computed KV bit for bit, chunk by chunk (nothing lost, nothing
 overwritten). Broken on purpose once (`request_finished` never delaying the free): C took holdA's freed blocks,
-the held save stored C's KV, and the bit-exact check failed. (Model outputs equal to no connector with held
+the held save stored C's KV, and the bit-exact check failed (all 3 chunks differed). (Model outputs equal to no connector with held
 saves: test_connector_vllm.py's tight run.)
 """
 
@@ -141,14 +141,14 @@ def test_save_in_flight_at_finish_is_neither_lost_nor_overwritten(tmp_path):
         lmcache_yaml(tmp_path, tmp_path / "ssd", host_chunks=64), debug_hold_request_prefix="holdA",
         debug_save_hold_steps=8))
     c = got["counters"]
-    # holdA finished with its save in flight (held 8 steps; it finished in its 2nd): vLLM kept its blocks (B's
-    # saves, queued behind holdA's, may still be running when B finishes too)
-    assert c["delayed_frees"] >= 1, c
     assert got["admitted"][-1][1:] == [96, 0, 0], got["admitted"]  # D, the last admission: 96 tokens from host
-    assert c["async_loads"] == 1 and c["sync_loads"] == 0, c
-    assert got["metrics"].get("kvtier_connector_hit_tokens_total/tier=host", 0) == 96, got["metrics"]
-    assert got["metrics"].get("kvtier_connector_load_error_blocks_total", 0) == 0
     assert got["kv_blocks_equal"] == [True, True, True], "D's KV loaded from kvtier differs from holdA's " \
         "(per chunk of P)"
     assert got["kv_equal"]
+    # holdA finished with its save in flight (held 8 steps; it finished in its 2nd): vLLM kept its blocks (B's
+    # saves, queued behind holdA's, may still be running when B finishes too)
+    assert c["delayed_frees"] >= 1, c
+    assert c["async_loads"] == 1 and c["sync_loads"] == 0, c
+    assert got["metrics"].get("kvtier_connector_hit_tokens_total/tier=host", 0) == 96, got["metrics"]
+    assert got["metrics"].get("kvtier_connector_load_error_blocks_total", 0) == 0
     assert set(got["requests"]) == {"holdA", "other-B", "other-C", "followD"}
