@@ -138,8 +138,8 @@ def _run(work: Path, name: str, model: Path, ktc: dict) -> dict:
 
 def test_save_in_flight_at_finish_is_neither_lost_nor_overwritten(tmp_path):
     got = _run(tmp_path, "kvtier", tmp_path / "model", kv_config(
-        lmcache_yaml(tmp_path, tmp_path / "ssd", host_chunks=64), debug_hold_request_prefix="holdA",
-        debug_save_hold_steps=8))
+        lmcache_yaml(tmp_path, tmp_path / "ssd", host_chunks=64), sync_load_budget_tokens=0,
+        debug_hold_request_prefix="holdA", debug_save_hold_steps=8))
     c = got["counters"]
     assert got["admitted"][-1][1:] == [96, 0, 0], got["admitted"]  # D, the last admission: 96 tokens from host
     assert got["kv_blocks_equal"] == [True, True, True], "D's KV loaded from kvtier differs from holdA's " \
