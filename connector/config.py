@@ -58,8 +58,8 @@ class ConnectorOptions:
     async_saves: bool = True
     #: tokens that may load inside one engine step, before its forward pass (one request's load fits whole or
     #: not at all); the other loads run off the step (the request waits in WAITING_FOR_REMOTE_KVS while the others
-    #: keep running). 0: every load off the step (README: measured)
-    sync_load_budget_tokens: int = 0
+    #: keep running). 0: every load off the step. Default 1024: measured (benchmarks/host_loads.py, README)
+    sync_load_budget_tokens: int = 1024
     #: testing only: asynchronous loads / saves of requests whose id starts with `debug_hold_request_prefix` (one
     #: prefix or a list) wait this many engine steps on the transfer thread before they run (a held-back tier
     #: read, a slow copy)

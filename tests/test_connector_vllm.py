@@ -185,7 +185,8 @@ def runs(tmp_path_factory):
     # meanwhile), their saves 40 steps (still in flight when request 5 finishes: vLLM keeps its blocks; and when
     # request 11 is preempted: the step waits for them before its forward pass reuses the blocks)
     out["tight"] = run_engine(work, "tight", dict(tight, kv_transfer_config=kv_config(
-        lmcache_yaml(work, work / "ssd-tight", host_chunks=64), debug_hold_request_prefix=HELD,
+        lmcache_yaml(work, work / "ssd-tight", host_chunks=64), sync_load_budget_tokens=0,
+        debug_hold_request_prefix=HELD,
         debug_load_hold_steps=6, debug_save_hold_steps=40)))
     out["flipped"] = flip_a_byte_in_every_slot(ssd)
     out["run3"] = run_engine(work, "run3", dict(base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched))
