@@ -70,7 +70,7 @@ class EngineProcess:
         args_path.write_text(json.dumps(args))
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.tools.vllm_engine", str(args_path)],
-                                     cwd=workdir, env=dict(os.environ, **ENGINE_ENV, **(env or {})),
+                                     cwd=workdir, env={**os.environ, **ENGINE_ENV, **(env or {})},
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, start_new_session=True)
         self._lines: queue.Queue = queue.Queue()
