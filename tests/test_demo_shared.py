@@ -1,0 +1,98 @@
+"""`kvtier demo-shared` end to end with its smallest settings: conversations routed round-robin over two real vLLM
+CPU replicas, without a connector, with kvtier + one real Redis (`writes: all`, then `writes: continuing`), and
+through LMCache's multiprocess mode (`LMCacheMPConnector`, one `lmcache server` per replica with kvtier's L2
+adapter then LMCache's `resp` adapter over the same Redis).
+
+Checks what reached Redis with Redis's own counters (`INFO commandstats` SET calls, measured around each request):
+- `all`: every request that computed new full chunks wrote them, exactly: the first request of the replay (nothing
+  cached anywhere) wrote every full chunk of the KV it computed, and Redis counted two SETs per chunk kvtier says
+  it wrote (LMCache's Redis connector stores a chunk as data + metadata);
+- `continuing`: a request that did not continue an earlier turn (fewer than `min_history_chunks` cached at
+  arrival) sent Redis no SET at all; those that did wrote theirs; so fewer bytes reached Redis than with `all`;
+- the turn that reaches a replica after its history was written by the other one is served from Redis (remote
+  hits); every configuration generates the same tokens as the run without a connector;
+- MP mode: a follow-up turn on the other replica reads its history from Redis (GETs) with identical tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("redis")
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[str, dict]:
+    """One small run of every configuration (one reference run serves all the checks)."""
+    return _run(tmp_path_factory.mktemp("demo-shared"), "none,shared-all,shared-continuing,mp-shared", 19340)
+
+
+def _run(tmp_path: Path, configs: str, port: int) -> tuple[str, dict]:
+    from kvtier.tools.redis_server import redis_server_binary
+
+    try:
+        redis_server_binary()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    kvtier = Path(sys.executable).with_name("kvtier")
+    out = tmp_path / "demo.json"
+    p = subprocess.run([str(kvtier), "demo-shared", "--conversations", "2", "--turns", "3", "--configs", configs,
+                        "--chunk-tokens", str(CHUNK), "--routing", "alternate", "--redis-port", str(port),
+                        "--mp-port", str(port + 10),
+                        "--json", str(out), "--timeout", "400"], cwd=tmp_path,
+                       env=dict(os.environ, LMCACHE_TRACK_USAGE="false"), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-4000:]}"
+    return p.stdout, json.loads(out.read_text())
+
+
+def _cached_chunks(r: dict) -> int:
+    return (r["gpu_hit"] + r["host_hit"] + r["ssd_hit"] + r["remote_hit"]) // CHUNK
+
+
+def test_demo_shared_round_robin_writes_all_vs_continuing(demo):
+    stdout, res = demo
+    runs = res["runs"]
+    for name in ("shared-all", "shared-continuing"):
+        assert f"{name}: generated tokens identical to none (6 requests" in stdout, stdout
+        for r in runs[name]:
+            assert r["redis_sets"] == 2 * r["shared_writes"], (name, r)  # Redis saw exactly what kvtier wrote
+            assert r["shared_dropped"] == 0, (name, r)
+
+    every = runs["shared-all"]
+    first = every[0]
+    assert first["turn"] == 1 and _cached_chunks(first) == 0
+    # all computed KV (prompt + answer but its last token) in full chunks went to Redis
+    assert first["shared_writes"] == (first["prompt_len"] + len(first["tokens"]) - 1) // CHUNK, first
+    assert all(r["shared_writes"] > 0 for r in every if r["turn"] == 1), every
+    # a follow-up turn routed to the other replica found its history in Redis
+    assert sum(r["remote_hit"] for r in every) > 0, every
+
+    cont = runs["shared-continuing"]
+    not_cont = [r for r in cont if _cached_chunks(r) < res["min_history_chunks"]]
+    assert not_cont and all(r["redis_sets"] == 0 and r["shared_writes"] == 0 for r in not_cont), cont
+    assert any(r["shared_writes"] > 0 for r in cont if _cached_chunks(r) >= res["min_history_chunks"]), cont
+    assert sum(r["shared_write_bytes"] for r in cont) < sum(r["shared_write_bytes"] for r in every)
+    assert "writes: continuing sent" in stdout
+
+
+def test_demo_shared_mp_mode_follow_up_on_other_replica_from_redis(demo):
+    stdout, res = demo
+    assert "mp-shared: generated tokens identical to none (6 requests" in stdout, stdout
+    mp = res["runs"]["mp-shared"]
+    # turn 2 of conversation 0 runs on the other replica than turn 1: its history comes from Redis
+    t1 = next(r for r in mp if r["conv"] == 0 and r["turn"] == 1)
+    t2 = next(r for r in mp if r["conv"] == 0 and r["turn"] == 2)
+    assert t1["replica"] != t2["replica"]
+    assert t1["redis_sets"] > 0, mp
+    assert t2["redis_gets"] > 0 and t2["gpu_hit"] >= CHUNK, mp
