@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help="keep the model, configs and logs here (default: a temporary "
                                                    "directory, removed at the end)")
     p.add_argument("--json", default=None, help="write all per-request results to this JSON file")
-    p.add_argument("--timeout", type=float, default=600, help="seconds one configuration may take")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds the replicas of one configuration may take to start, and then to replay")
 
 
 # --------------------------------------------------------------------------------------------- replica side
@@ -191,6 +192,8 @@ class Replica:
         for line in self.proc.stdout:
             if line.startswith("KVTIER-"):
                 self._lines.put(line.rstrip("\n"))
+            else:  # vLLM logs to stdout: keep it in the replica's log
+                self._log.write(line)
         self._lines.put(None)
 
     def _line(self, prefix: str, deadline: float) -> dict[str, Any]:
@@ -308,6 +311,7 @@ def _run_config(cfg: str, workdir: Path, base: dict[str, Any], turns: list, opts
                                 {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if mp else None))
             stack.callback(reps[-1].close)
         last = [r.ready(deadline).get("shared") or {} for r in reps]
+        deadline = time.monotonic() + opts.timeout  # the replay's own limit, engine start excluded
         if redis is not None:  # the warm-up's writes are not part of the replay
             time.sleep(1.0 if mp else 0.0)  # LMCache MP's L2 stores are asynchronous
             redis.client().flushall()

@@ -32,12 +32,6 @@ pytestmark = pytest.mark.slow
 CHUNK = 64
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> tuple[str, dict]:
-    """One small run of every configuration (one reference run serves all the checks)."""
-    return _run(tmp_path_factory.mktemp("demo-shared"), "none,shared-all,shared-continuing,mp-shared", 19340)
-
-
 def _run(tmp_path: Path, configs: str, port: int) -> tuple[str, dict]:
     from kvtier.tools.redis_server import redis_server_binary
 
@@ -50,8 +44,8 @@ def _run(tmp_path: Path, configs: str, port: int) -> tuple[str, dict]:
     p = subprocess.run([str(kvtier), "demo-shared", "--conversations", "2", "--turns", "3", "--configs", configs,
                         "--chunk-tokens", str(CHUNK), "--routing", "alternate", "--redis-port", str(port),
                         "--mp-port", str(port + 10),
-                        "--json", str(out), "--timeout", "400"], cwd=tmp_path,
-                       env=dict(os.environ, LMCACHE_TRACK_USAGE="false"), capture_output=True, text=True, timeout=900)
+                        "--json", str(out), "--timeout", "600"], cwd=tmp_path,
+                       env=dict(os.environ, LMCACHE_TRACK_USAGE="false"), capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, f"rc {p.returncode}\n{p.stdout[-6000:]}\n{p.stderr[-4000:]}"
     return p.stdout, json.loads(out.read_text())
 
@@ -60,9 +54,13 @@ def _cached_chunks(r: dict) -> int:
     return (r["gpu_hit"] + r["host_hit"] + r["ssd_hit"] + r["remote_hit"]) // CHUNK
 
 
-def test_demo_shared_round_robin_writes_all_vs_continuing(demo):
-    stdout, res = demo
-    runs = res["runs"]
+def test_demo_shared_round_robin_writes_all_vs_continuing(tmp_path):
+    stdout, res = _run(tmp_path, "none,shared-all,shared-continuing", 19340)
+    check_writes(stdout, res)
+
+
+def check_writes(stdout: str, res: dict) -> None:
+    runs = {name: run["requests"] for name, run in res["runs"].items()}
     for name in ("shared-all", "shared-continuing"):
         assert f"{name}: generated tokens identical to none (6 requests" in stdout, stdout
         for r in runs[name]:
@@ -86,10 +84,10 @@ def test_demo_shared_round_robin_writes_all_vs_continuing(demo):
     assert "writes: continuing sent" in stdout
 
 
-def test_demo_shared_mp_mode_follow_up_on_other_replica_from_redis(demo):
-    stdout, res = demo
+def test_demo_shared_mp_mode_follow_up_on_other_replica_from_redis(tmp_path):
+    stdout, res = _run(tmp_path, "none,mp-shared", 19370)
     assert "mp-shared: generated tokens identical to none (6 requests" in stdout, stdout
-    mp = res["runs"]["mp-shared"]
+    mp = res["runs"]["mp-shared"]["requests"]
     # turn 2 of conversation 0 runs on the other replica than turn 1: its history comes from Redis
     t1 = next(r for r in mp if r["conv"] == 0 and r["turn"] == 1)
     t2 = next(r for r in mp if r["conv"] == 0 and r["turn"] == 2)
