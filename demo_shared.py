@@ -10,9 +10,9 @@ configuration runs its own replica processes (vLLM's CPU build, the tiny random 
 - `shared-all`: the same plus one real Redis server shared by the replicas (`kvtier.shared.writes: all`);
 - `shared-continuing`: the same with `writes: continuing` (only chunks of requests that continue an earlier turn
   are written to Redis: selective write-through);
-- `mp-shared` (not in the default set): LMCache's multiprocess mode through vLLM's `LMCacheMPConnector`
-  (LMCache's own copy, which runs on CPU), one `lmcache server` per replica with kvtier's L2 adapter first and
-  LMCache's `resp` adapter (the shipped `configs/lmcache-mp-l2-redis.json`) second, over the same Redis. vLLM
+- `mp-shared` (not in the default set; not verified end to end yet, see the README): LMCache's multiprocess
+  mode through vLLM's `LMCacheMPConnector` (LMCache's own copy, which runs on CPU), one `lmcache server` per
+  replica with kvtier's L2 adapter first and LMCache's `resp` adapter (the shipped `configs/lmcache-mp-l2-redis.json`) second, over the same Redis. vLLM
   reports its reuse as one number per request (`cached`); what came from Redis is Redis's own GET count.
 
 Reported: TTFT per turn, cached tokens per tier (vLLM's prefix cache / host / SSD / remote), what reached Redis
