@@ -23,6 +23,7 @@ saves: test_connector_vllm.py's tight run.)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.tests.test_connector_vllm import MODEL_SCRIPT, engine_env, kv_config, lmcache_yaml  # noqa: E402
+from kvtier.tests.test_connector_vllm import kv_config, lmcache_yaml  # noqa: E402
+from kvtier.tools.vllm_engine import ENGINE_ENV, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +49,6 @@ def main():
     import torch
     from vllm import LLM, SamplingParams
 
-    import os
-    if not os.path.isdir(a["model"]):  # the tiny random Llama (no download), made here: one process less
-        argv, sys.argv = sys.argv, ["", a["model"]]
-        exec(a["model_script"], {})
-        sys.argv = argv
     llm = LLM(model=a["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
               max_model_len=256, enable_prefix_caching=False, max_num_seqs=4, seed=0,
               num_gpu_blocks_override=9, kv_transfer_config=a["ktc"])
@@ -127,9 +124,10 @@ def _run(work: Path, name: str, model: Path, ktc: dict) -> dict:
     script = work / "engine_inflight.py"
     script.write_text(ENGINE_SCRIPT)
     args = work / f"{name}.args.json"
-    args.write_text(json.dumps({"model": str(model), "model_script": MODEL_SCRIPT, "ktc": ktc,
+    tiny_llama(model)  # the tests' tiny random Llama (no download)
+    args.write_text(json.dumps({"model": str(model), "ktc": ktc,
                                 "out": str(work / f"{name}.out.json")}))
-    p = subprocess.run([sys.executable, str(script), str(args)], cwd=work, env=engine_env(), capture_output=True,
+    p = subprocess.run([sys.executable, str(script), str(args)], cwd=work, env={**os.environ, **ENGINE_ENV}, capture_output=True,
                        text=True, timeout=400)
     (work / f"{name}.log").write_text(p.stdout + p.stderr)
     assert p.returncode == 0, f"{name} failed (rc {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}"
