@@ -38,16 +38,13 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from kvtier.tools.vllm_engine import tiny_llama
+
 REPO = Path(__file__).resolve().parent.parent
 
-MODEL_SCRIPT = """
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192, initializer_range=0.2)
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
-"""
+#: the benchmark's random Llama (larger than the tests': 4 layers, hidden 256)
+MODEL_CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 8192}
 
 ENGINE_SCRIPT = """
 import hashlib, json, random, statistics, sys, time
@@ -201,7 +198,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="async-host-loads-") as tmp:
         work = Path(tmp)
         model = work / "model"
-        subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True)
+        tiny_llama(model, **MODEL_CONFIG)
         procs: dict[str, subprocess.Popen] = {}
         if not args.no_base:
             procs["base"] = start(work, "base", args, model, None)
