@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.demo_vllm import _engine_env, _ratio  # the single-engine demo's engine environment and ratio format
 from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, VOCAB
 from kvtier.tools.redis_server import READ_COMMANDS
 
@@ -162,15 +163,6 @@ def replica_main(args_path: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------- driver side
-def _engine_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "LMCACHE_TRACK_USAGE": "false",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TRITON_INTERPRET": "0", "TQDM_DISABLE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
-    env.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-    return env
-
-
 class Replica:
     """One replica process; always ended by `close()`."""
 
@@ -349,10 +341,6 @@ def _run_config(cfg: str, workdir: Path, base: dict[str, Any], turns: list, opts
 
 def _mean_ms(xs: list[float]) -> str:
     return f"{1000 * statistics.mean(xs):8.1f}" if xs else f"{'-':>8}"
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else "n/a"
 
 
 def report(runs: list[ConfigRun], turns: list, chunk: int) -> int:
