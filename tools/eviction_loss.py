@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kvtier.tools.replay import ReplayClock, build_policy, host_key_sequence, parse_capacity
+from kvtier.tools.replay import ReplayClock, build_policy, host_key_sequence, parse_capacity, simulate
 from kvtier.tools.traces import TraceRequest, read_trace, unique_blocks
 
 logger = logging.getLogger(__name__)
@@ -70,29 +70,13 @@ def categories(reqs: Sequence[TraceRequest], score_from: float | None = None) ->
 
 
 def host_hits(reqs: Sequence[TraceRequest], policy: str, blocks: int, policy_kwargs: dict | None = None) -> list[bool]:
-    """Host hit flag of every block access in replay order (the model of `replay.simulate`, host tier only)."""
+    """Host hit flag of every block access in replay order: `replay.simulate`'s host tier (unbounded SSD)."""
     clock = ReplayClock()
     p = build_policy(policy, clock, blocks, **(policy_kwargs or {}))
     if policy == "belady":
         p.set_future(host_key_sequence(reqs))  # type: ignore[attr-defined]
-    used = 0
     out: list[bool] = []
-    for r in reqs:
-        clock.now = r.timestamp
-        p.on_request(r.hash_ids, r.timestamp)
-        for k in r.hash_ids:
-            if k in p:
-                p.on_access(k)
-                out.append(True)
-                continue
-            out.append(False)
-            if used + 1 > blocks:
-                for v in p.victims(used + 1 - blocks, lambda _k: True):
-                    p.on_remove(v)
-                    used -= 1
-            p.on_insert(k, 1)
-            used += 1
-        p.on_request_finished(r.hash_ids, r.output_length, r.timestamp)
+    simulate(reqs, p, blocks, clock=clock, host_flags=out)
     return out
 
 
