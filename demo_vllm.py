@@ -44,6 +44,7 @@ from typing import Any
 
 from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, MODEL, VOCAB
 from kvtier.tools.demo_model import build as build_model
+from kvtier.tools.lmcache_yaml import write_lmcache_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -402,14 +403,9 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
 
 
 def _lmcache_yaml(path: Path, chunk: int, host_mb: float, ssd_dir: str, ssd_mb: float) -> None:
-    path.write_text(
-        f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {host_mb / 1024:.9f}\n"
-        "pre_caching_hash_algorithm: sha256_cbor\n"
-        'storage_plugins: ["kvtier"]\nextra_config:\n'
-        "  storage_plugin.kvtier.module_path: kvtier.storage_backends\n"
-        "  storage_plugin.kvtier.class_name: KVTierBackend\n"
-        f"  kvtier.ssd_path: {ssd_dir}\n  kvtier.ssd_capacity_gb: {ssd_mb / 1024:.9f}\n"
-        "  kvtier.chunk_format: page_first\n")
+    """The shipped `configs/lmcache-kvtier.yaml` with the demo's sizes and paths, page-first chunks."""
+    write_lmcache_yaml(path, ssd_path=ssd_dir, chunk_size=chunk, host_gb=f"{host_mb / 1024:.9f}",
+                       ssd_capacity_gb=f"{ssd_mb / 1024:.9f}", extra={"chunk_format": "page_first"})
 
 
 def _pct(xs: list[float], q: float) -> float:
