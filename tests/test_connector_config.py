@@ -46,6 +46,10 @@ def test_valid_config_is_page_first_with_inline_overrides(lmcache_yaml, tmp_path
     ({"kvtier.connector": {"prefetch_concurency": 2}}, "kvtier.connector.prefetch_concurency"),
     ({"kvtier.connector": {"kv_layout": "weird"}}, "kv_layout"),
     ({"lmcache_config": "x"}, "unknown key(s) lmcache_config"),
+    # kvtier.scheduler is checked by the connector too (an engine without the scheduler hook would ignore it)
+    ({"kvtier.scheduler": {"ready_ordr": "hrrn"}}, "kvtier.scheduler: unknown key(s) ready_ordr"),
+    ({"kvtier.scheduler": {"ready_order": "sjf"}}, "kvtier.scheduler.ready_order must be one of"),
+    ({"kvtier.scheduler": ["hrrn"]}, "kvtier.scheduler must be an object"),
 ])
 def test_bad_settings_name_the_key(lmcache_yaml, extra, needle):
     base = {"config_file": lmcache_yaml(chunk_size=64)} if "config_file" not in extra and extra != {} else {}
