@@ -17,7 +17,7 @@ process serves all its turns); the reference tokens come from an engine without 
 - Redis restarted from the snapshot taken before the kill (it holds A's chunks of conversation 2): LMCache's
   `resp` adapter does not reconnect (its native client opens one connection per worker thread when the server
   starts and never replaces it), so B's turn 2 of conversation 2 is a miss and recomputes (identical tokens), and
-  Redis counts no command from B at all. Only a restart of B's `lmcache server` reconnects it.
+  Redis counts no GET, EXISTS or SET from B. A restart of B's `lmcache server` would open new ones.
 """
 
 from __future__ import annotations
