@@ -10,10 +10,11 @@ configuration runs its own replica processes (vLLM's CPU build, the tiny random 
 - `shared-all`: the same plus one real Redis server shared by the replicas (`kvtier.shared.writes: all`);
 - `shared-continuing`: the same with `writes: continuing` (only chunks of requests that continue an earlier turn
   are written to Redis: selective write-through);
-- `mp-shared` (not in the default set; not verified end to end yet, see the README): LMCache's multiprocess
-  mode through vLLM's `LMCacheMPConnector` (LMCache's own copy, which runs on CPU), one `lmcache server` per
-  replica with kvtier's L2 adapter first and LMCache's `resp` adapter (the shipped `configs/lmcache-mp-l2-redis.json`) second, over the same Redis. vLLM
-  reports its reuse as one number per request (`cached`); what came from Redis is Redis's own GET count.
+- `mp-shared` (not in the default set): LMCache's multiprocess mode through vLLM's `LMCacheMPConnector`
+  (LMCache's own copy, which runs on CPU), one `lmcache server` per replica (`--l2-prefetch-policy retain`) with
+  kvtier's L2 adapter first and LMCache's `resp` adapter (the shipped `configs/lmcache-mp-l2-redis.json`) second,
+  over the same Redis. vLLM reports its reuse as one number per request (`cached`); what came from Redis is
+  Redis's own GET count.
 
 Reported: TTFT per turn, cached tokens per tier (vLLM's prefix cache / host / SSD / remote), what reached Redis
 (kvtier's written chunks and bytes, Redis's own SET calls and key count, measured after each request), and whether
@@ -95,13 +96,17 @@ def replica_main(args_path: str) -> None:
     args = json.loads(Path(args_path).read_text())
     faulthandler.dump_traceback_later(args["watchdog_s"], exit=True)
     build_model(args["model"])
+    if args.get("lmcache_mp"):  # vLLM's in-process mode with LMCache's MP connector (see the guard's docstring)
+        from kvtier.tools.vllm_engine import guard_llvmlite_for_vllm_kernel_scan
+
+        guard_llvmlite_for_vllm_kernel_scan()
     from vllm import LLM, SamplingParams
 
     kw: dict[str, Any] = {}
     if args.get("kv_transfer_config"):
         kw["kv_transfer_config"] = args["kv_transfer_config"]
         if args.get("lmcache_mp"):
-            kw["distributed_executor_backend"] = "uni"  # LMCache's MP connector: engine core in its own process
+            kw["distributed_executor_backend"] = "uni"  # one process: vLLM's CPU build needs it in-process
         else:
             kw["scheduler_cls"] = "kvtier.scheduler_hooks.DualQueueScheduler"
     llm = LLM(model=args["model"], skip_tokenizer_init=True, load_format="auto", dtype="float32", enforce_eager=True,
@@ -257,6 +262,7 @@ def _kv_configs(cfg: str, workdir: Path, opts: argparse.Namespace, host_mb: floa
     if cfg == "none":
         return [None] * opts.replicas
     out: list[dict[str, Any] | None] = []
+    servers: list[Any] = []
     for i in range(opts.replicas):
         ssd = workdir / f"ssd-{cfg}-{i}"
         shutil.rmtree(ssd, ignore_errors=True)
@@ -266,11 +272,16 @@ def _kv_configs(cfg: str, workdir: Path, opts: argparse.Namespace, host_mb: floa
 
             resp = dict(json.loads(Path(config_path("lmcache-mp-l2-redis.json")).read_text()), port=redis.port,
                         num_workers=2)
+            # `retain`: chunks read from Redis stay in this replica's L1 (LMCache's default drops them once vLLM
+            # has them, and no L2 adapter copies them into another, so the next turn would read Redis again)
             srv = MPServer(opts.mp_port + i, opts.mp_port + 10 + i,
                            [kvtier_adapter_spec(ssd, opts.ssd_mb / 1024), resp], str(workdir / f"{cfg}-{i}-server.log"),
                            l1_gb=host_mb / 1024, chunk_size=opts.chunk_tokens, eviction_watermark=0.5,
-                           eviction_ratio=0.5)
-            stack.enter_context(srv)
+                           eviction_ratio=0.5, extra_args=["--l2-prefetch-policy", "retain"],
+                           start_timeout=opts.timeout)
+            srv.launch()  # the replicas' servers start side by side
+            stack.callback(srv.stop)
+            servers.append(srv)
             out.append({"kv_connector": "LMCacheMPConnector",
                         "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
                         "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
@@ -283,6 +294,8 @@ def _kv_configs(cfg: str, workdir: Path, opts: argparse.Namespace, host_mb: floa
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                     "engine_id": f"kvtier-shared-demo-{cfg}-{i}-{os.getpid()}",
                     "kv_connector_extra_config": {"config_file": str(y)}})
+    for srv in servers:
+        srv.wait_ready()
     return out
 
 
@@ -299,8 +312,7 @@ def _run_config(cfg: str, workdir: Path, base: dict[str, Any], turns: list, opts
         reps = []
         for i in range(opts.replicas):
             reps.append(Replica(workdir, f"{cfg}-{i}", dict(base, replica=i, watchdog_s=int(opts.timeout),
-                                                             kv_transfer_config=kv[i], lmcache_mp=mp),
-                                {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if mp else None))
+                                                             kv_transfer_config=kv[i], lmcache_mp=mp)))
             stack.callback(reps[-1].close)
         last = [r.ready(deadline).get("shared") or {} for r in reps]
         deadline = time.monotonic() + opts.timeout  # the replay's own limit, engine start excluded

@@ -189,12 +189,42 @@ def run_conversations(engine: EngineProcess, conversations: list[list[list[int]]
 
 
 # ------------------------------------------------------------------------------------------------ the child
+def guard_llvmlite_for_vllm_kernel_scan() -> bool:
+    """Let vLLM's in-process mode (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) load LMCache's MP connector on CPU.
+
+    vLLM 0.32's kernel-override scan (`vllm/triton_utils/dispatcher.py::_rebind_kernels`) walks every module's
+    namespace and calls `vars(value)` on each object that answers `hasattr(value, "__dict__")`. LMCache's connector
+    imports numba, and llvmlite's `ffi.lib` (a `__slots__` class whose `__getattr__` turns any name into a C-symbol
+    wrapper) answers `__dict__` with such a wrapper, so the scan dies with `'_lib_fn_wrapper' object has no
+    attribute 'get'` and the worker with it. Here dunder names raise AttributeError (as for any object without
+    them); real symbol names are untouched. Test and demo tooling only: it changes llvmlite in this process.
+    Returns whether the guard is in place (False without llvmlite)."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return False
+    cls = ffi._lib_wrapper
+    original = cls.__getattr__
+    if getattr(original, "_kvtier_guard", False):
+        return True
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return original(self, name)
+
+    __getattr__._kvtier_guard = True
+    cls.__getattr__ = __getattr__
+    return True
+
+
 def _serve(args_path: str) -> None:
     args = json.loads(Path(args_path).read_text())
     if args.get("watchdog_s"):
         import faulthandler
 
         faulthandler.dump_traceback_later(args["watchdog_s"], exit=True)  # a hang shows its stacks
+    guard_llvmlite_for_vllm_kernel_scan()
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=args["model"], **dict(LLM_DEFAULTS, **args["llm"]))
