@@ -144,12 +144,12 @@ def _flip_one_byte(ssd: Path, slot: int) -> int:
 # ------------------------------------------------------------------------------------------------ vLLM
 def _run_vllm(work: Path, name: str, model: Path, convs: list, kv_transfer_config: dict | None = None) -> list:
     """The conversations turn by turn (all four in one batch a turn), 2 s apart: LMCache's L1 eviction runs once
-    a second. With a connector vLLM runs in its default multiprocess mode (LMCache's numba import breaks the
-    in-process one), the worker inside the engine-core process."""
+    a second. vLLM runs in-process (one interpreter; `tools.vllm_engine.guard_llvmlite_for_vllm_kernel_scan` keeps
+    vLLM's kernel scan from tripping over the numba that LMCache's connector imports)."""
     llm = {"max_model_len": 4096, "max_num_seqs": 4, "disable_log_stats": False,
            "kv_transfer_config": kv_transfer_config, "distributed_executor_backend": "uni" if kv_transfer_config
            else None}
-    e = dict(LMCACHE_DISABLE_BANNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if kv_transfer_config else "0")
+    e = dict(LMCACHE_DISABLE_BANNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     with EngineProcess(work, name, model, llm=llm, env=e, watchdog_s=500) as eng:
         eng.ready()
         return run_conversations(eng, convs, [list(range(len(convs)))] * len(convs[0]), 16, pause_s=2)
