@@ -25,8 +25,10 @@ The plan minimises `ttft(cut) + recompute_gpu_weight * gpu_seconds(cut)`: weight
 for the request itself; a positive weight also charges the GPU time a recompute takes from the requests queued
 behind it (the engine's other customers). Ties go to the larger cut (fewer GPU seconds). The default weight is
 large: a request then prefetches its SSD part, and `recompute_now` recomputes it instead when the GPU is about to
-idle while its read has not started (`DualQueuePolicy.replan_idle`): never slower than no cache at an idle GPU,
-and no GPU time taken from queued requests otherwise. That combination queued best on the first 15 minutes of the
+idle while its read has not landed (`DualQueuePolicy.replan_idle`): never slower than no cache at an idle GPU,
+and no GPU time taken from queued requests otherwise. Under load `recompute_now` also charges the work expected to
+arrive during the read (the GPU's busy share times the read's time), which would otherwise use the GPU's idle
+window: recompute iff `fallback_gpu_s + load * read_s < read_s + gpu_s`. That combination queued best on the first 15 minutes of the
 Mooncake conversation trace (`benchmarks/scheduler_sim.py --tune`); weight 0 recomputed ~10% of the SSD hits at
 arrival and queued ~5% longer.
 
