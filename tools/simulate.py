@@ -637,10 +637,11 @@ class Simulator:
     def _try_dispatch(self) -> bool:
         free = max(self.gpu_cap - self.held, 0)
         t0 = time.perf_counter()
-        rid = self.policy.pick(self.now, free)
-        if rid is None and not self.jobs and self.planner is not None and self.tiers:
-            # nothing runs: the busy total is exact now (a job's busy time is booked when it starts computing)
+        idle = not self.jobs and self.planner is not None and self.tiers
+        if idle:  # nothing runs: the busy total is exact now (a job's busy time is booked when it starts computing)
             self.policy.observe_gpu_busy(self.now, self.gpu_busy_s)  # type: ignore[attr-defined]
+        rid = self.policy.pick(self.now, free)
+        if rid is None and idle:
             rid = self.policy.replan_idle(self._read_s, free)  # type: ignore[attr-defined]
             if rid is not None:
                 self.phase[rid] = PrefetchPhase.NONE  # its prefetch is dropped: it recomputes the SSD part
