@@ -27,7 +27,9 @@ The modelled system (one GPU; all choices below are the simulator's, documented 
   unless delay-hit avoidance holds it until they land (`+delay-hit`). Its work starts when the GPU is free.
   Loads count too: SSD blocks of a waiting request that another request's prefetch is reading are in its hint's
   `inflight_tokens`, and a recompute of them is counted `inflight`; with `+delay-hit` the idle-GPU re-plan
-  recomputes neither them nor an SSD part whose own read is issued (`DualQueuePolicy.replan_idle`).
+  does not recompute them, nor with `+own-loads` an SSD part whose own read is issued
+  (`DualQueuePolicy.replan_idle`). The re-plan charges a recompute with the work arriving during the read at the
+  GPU's busy share, which the simulator reports at each idle moment (`observe_gpu_busy`; `+eager-replan`: not).
 - A prefix is used up to its first block that is resident nowhere (or still computing); everything after is
   recomputed. The load plan may cut it earlier: a plan that recomputes the SSD part uses only what is on the GPU
   or in host memory at admission.
@@ -635,8 +637,11 @@ class Simulator:
     def _try_dispatch(self) -> bool:
         free = max(self.gpu_cap - self.held, 0)
         t0 = time.perf_counter()
+        idle = not self.jobs and self.planner is not None and self.tiers
+        if idle:  # nothing runs: the busy total is exact now (a job's busy time is booked when it starts computing)
+            self.policy.observe_gpu_busy(self.now, self.gpu_busy_s)  # type: ignore[attr-defined]
         rid = self.policy.pick(self.now, free)
-        if rid is None and not self.jobs and self.planner is not None and self.tiers:
+        if rid is None and idle:
             rid = self.policy.replan_idle(self._read_s, free)  # type: ignore[attr-defined]
             if rid is not None:
                 self.phase[rid] = PrefetchPhase.NONE  # its prefetch is dropped: it recomputes the SSD part
