@@ -119,3 +119,12 @@ def test_write_queue_bound_drops_writes():
     c.run()
     assert c.store.writes == 4 and c.store.dropped_writes == 4
     assert c.store.dropped_write_bytes == 4 * BLOCK_BYTES
+
+
+def test_sticky_routing_keeps_a_conversation_on_its_replica():
+    reqs = conversation() + [req("other", 1.0, [0, 500, 501])]  # a new conversation (sharing only block 0)
+    reqs.sort(key=lambda r: r.arrival)
+    assert [[r.rid for r in p] for p in route(reqs, 2, "sticky")] == [["t1", "t2", "t3"], ["other"]]
+    c = Cluster(reqs, SimConfig(scheduler="dual-queue", policy=NO_STARVE), 2, "sticky", BIG_QUEUE)
+    res = c.run()
+    assert res.hits["remote"] == 0 and c.store.reads == 0  # every turn served by its own replica's tiers

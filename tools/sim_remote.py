@@ -24,10 +24,10 @@ The modelled store (the simulator's choices, documented so results can be judged
   slot until both parts landed. `fcfs` reads it synchronously at admission after the SSD part (GPU stalled, as
   LMCache's retrieve); `recompute` has no tiers at all. Chunks read from the store are not written to the local
   SSD tier (only computed chunks are).
-- Routing: `round-robin` (request i, in arrival order, to replica i mod N) or `sticky` (conversation affinity: to
-  the replica that served the deepest block of the prompt seen before, if exactly one replica has served that
-  block; otherwise - a new conversation, whose deepest known block is a system prompt every replica served -
-  round-robin).
+- Routing: `round-robin` (request i, in arrival order, to replica i mod N) or `sticky` (conversation affinity: a
+  request whose prompt continues an earlier request's whole prompt - it holds that request's last full block; a
+  trace block id names its whole prefix - goes to that request's replica, the deepest such one; any other
+  request, a new conversation, goes round-robin).
 - Load: the default time scale is the one-GPU calibration (`calibrate_time_scale`, FCFS local tiers) divided by N:
   the whole trace N times as dense, so that round-robin gives each replica the load a single GPU had.
 - Recomputed tokens count blocks computed before by any replica (one `seen` set for the cluster).
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kvtier.tools.simulate import SimConfig, SimRequest, SimResult, Simulator, _percentile
+from kvtier.tools.simulate import TRACE_BLOCK_TOKENS, SimConfig, SimRequest, SimResult, Simulator, _percentile
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ class RemoteConfig:
             raise ValueError(f"--remote-latency-ms must be >= 0, got {self.latency_ms}")
         if self.capacity_gb <= 0:
             raise ValueError(f"--remote-gb must be > 0, got {self.capacity_gb}")
+        if self.write_queue_mb < 0:
+            raise ValueError(f"--remote-write-queue-mb must be >= 0, got {self.write_queue_mb}")
 
     @property
     def bytes_per_s(self) -> float:
@@ -286,26 +288,21 @@ def route(requests: Sequence[SimRequest], replicas: int, routing: str = "round-r
     if routing not in ROUTINGS:
         raise ValueError(f"unknown --routing {routing!r}; choose one of {', '.join(ROUTINGS)}")
     parts: list[list[SimRequest]] = [[] for _ in range(replicas)]
-    served: dict[int, set[int]] = {}  # block -> replicas whose requests held it
-    last: dict[int, int] = {}
+    ends: dict[int, int] = {}  # last full block of a routed request -> its replica
     rr = 0
     for r in sorted(requests, key=lambda r: r.arrival):
         target = None
         if routing == "sticky":
-            deepest = None
-            for b in r.blocks:
-                if b not in served:
-                    break
-                deepest = b
-            if deepest is not None and len(served[deepest]) == 1:
-                target = last[deepest]
+            for b in r.blocks:  # a trace block id names its whole prefix: the deepest earlier request continued
+                if b in ends:
+                    target = ends[b]
         if target is None:
             target = rr % replicas
             rr += 1
         parts[target].append(r)
-        for b in r.blocks:
-            served.setdefault(b, set()).add(target)
-            last[b] = target
+        full = r.input_tokens // TRACE_BLOCK_TOKENS
+        if routing == "sticky" and full:
+            ends[r.blocks[min(full, len(r.blocks)) - 1]] = target
     return parts
 
 
@@ -421,11 +418,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"shared tier's latency per operation (implies --remote; default {d.latency_ms:g})")
     parser.add_argument("--remote-gb", type=float, default=None,
                         help=f"shared tier's capacity, GB, LRU (implies --remote; default {d.capacity_gb:g})")
+    parser.add_argument("--remote-write-queue-mb", type=int, default=None,
+                        help=f"writes queued per replica before they are dropped, MiB (implies --remote; default "
+                             f"{d.write_queue_mb}: production's kvtier.shared.max_queued_write_mb)")
 
 
 def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
     given = {k: v for k, v in (("gbps", args.remote_gbps), ("latency_ms", args.remote_latency_ms),
-                               ("capacity_gb", args.remote_gb)) if v is not None}
+                               ("capacity_gb", args.remote_gb), ("write_queue_mb", args.remote_write_queue_mb))
+             if v is not None}
     if not (args.remote or given):
         return None
     try:
