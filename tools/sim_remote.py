@@ -26,8 +26,9 @@ The modelled store (the simulator's choices, documented so results can be judged
   SSD tier (only computed chunks are).
 - Routing: `round-robin` (request i, in arrival order, to replica i mod N) or `sticky` (conversation affinity: a
   request whose prompt continues an earlier request's whole prompt - it holds that request's last full block; a
-  trace block id names its whole prefix - goes to that request's replica, the deepest such one; any other
-  request, a new conversation, goes round-robin).
+  trace block id names its whole prefix - goes to that request's replica, the deepest such one, unless that
+  replica has received more than `STICKY_LOAD_BOUND` (1.1) x its share of the requests so far; any other request
+  goes to the replica that has received fewest, round-robin among equals).
 - Load: the default time scale is the one-GPU calibration (`calibrate_time_scale`, FCFS local tiers) divided by N:
   the whole trace N times as dense, so that round-robin gives each replica the load a single GPU had.
 - Recomputed tokens count blocks computed before by any replica (one `seen` set for the cluster).
@@ -54,6 +55,10 @@ __all__ = ["ROUTINGS", "Cluster", "ClusterResult", "RemoteConfig", "RemoteReside
            "add_arguments", "remote_config", "route", "run_cluster", "wanted"]
 
 ROUTINGS = ("round-robin", "sticky")
+#: `sticky` routing's bound: a replica that has received more than this x its share of the requests routed so far
+#: takes no sticky request (bounded-load consistent hashing, Mirrokni et al.; shared prefixes would otherwise pile
+#: whole fan-outs onto one replica)
+STICKY_LOAD_BOUND = 1.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,8 +301,11 @@ def route(requests: Sequence[SimRequest], replicas: int, routing: str = "round-r
             for b in r.blocks:  # a trace block id names its whole prefix: the deepest earlier request continued
                 if b in ends:
                     target = ends[b]
+        routed = sum(len(p) for p in parts)
+        if target is not None and len(parts[target]) >= STICKY_LOAD_BOUND * (routed + 1) / replicas:
+            target = None  # bounded load: a replica already past its share takes no more sticky requests
         if target is None:
-            target = rr % replicas
+            target = min(range(replicas), key=lambda i: (len(parts[i]), (i - rr) % replicas))
             rr += 1
         parts[target].append(r)
         full = r.input_tokens // TRACE_BLOCK_TOKENS
