@@ -38,6 +38,9 @@ The modelled system (one GPU; all choices below are the simulator's, documented 
   at a time; a read skips blocks an earlier read already brought into host memory), ready queue by
   arrival (or HRRN by uncached service time), oversized requests skipped, the starvation bound, the load plan
   (off with `+always-load`); blocks of waiting requests are pinned in the host tier.
+- Replicas and a tier shared by them (issue 13): `--replicas N --routing ... --remote[-gbps|-latency-ms|-gb]` run
+  N of these simulators on one clock in front of one store (`kvtier.tools.sim_remote`, which documents that model);
+  `remote` is then this replica's view of the store (write-through of computed chunks, REMOTE hints, prefetches).
 - Times: queueing time = GPU-job start - arrival (includes waiting for an SSD prefetch and for the GPU);
   TTFT = first token - arrival.
 - Load: arrival times are multiplied by `time_scale`. By default it is chosen so that FCFS's GPU work (including
