@@ -128,3 +128,27 @@ def test_sticky_routing_keeps_a_conversation_on_its_replica():
     c = Cluster(reqs, SimConfig(scheduler="dual-queue", policy=NO_STARVE), 2, "sticky", BIG_QUEUE)
     res = c.run()
     assert res.hits["remote"] == 0 and c.store.reads == 0  # every turn served by its own replica's tiers
+
+
+def test_cli_replicas_with_a_shared_tier(tmp_path, capsys):
+    import json
+
+    from kvtier.cli import main as cli_main
+
+    trace = tmp_path / "conv.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": int(r.arrival * 1000), "input_length": r.input_tokens,
+                                         "output_length": r.output_tokens, "hash_ids": list(r.blocks)}) + "\n"
+                             for r in conversation()))
+    out = tmp_path / "r.json"
+    rc = cli_main(["simulate", str(trace), "--scheduler", "recompute,dual-queue", "--replicas", "2", "--remote",
+                   "--remote-write-queue-mb", "1024", "--time-scale", "1", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    runs = {r["scheduler"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["recompute"]["hits"]["remote"] == 0 and runs["recompute"]["remote"] is None
+    assert runs["dual-queue"]["hits"]["remote"] == 10 * 512 and runs["dual-queue"]["completed"] == 3
+    assert runs["dual-queue"]["remote"]["gbps"] == 10.0 and len(runs["dual-queue"]["per_replica"]) == 2
+    assert "local+remote" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--remote-gbps must be > 0"):
+        cli_main(["simulate", str(trace), "--remote-gbps", "0", "--time-scale", "1", "--no-progress"])
+    with pytest.raises(SystemExit, match="--replicas must be >= 1"):
+        cli_main(["simulate", str(trace), "--replicas", "0", "--time-scale", "1", "--no-progress"])
