@@ -152,3 +152,15 @@ def test_cli_replicas_with_a_shared_tier(tmp_path, capsys):
         cli_main(["simulate", str(trace), "--remote-gbps", "0", "--time-scale", "1", "--no-progress"])
     with pytest.raises(SystemExit, match="--replicas must be >= 1"):
         cli_main(["simulate", str(trace), "--replicas", "0", "--time-scale", "1", "--no-progress"])
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "dual-queue+hrrn"])
+def test_one_replica_without_a_store_is_the_plain_simulator(scheduler):
+    from kvtier.tools.simulate import simulate
+
+    reqs = conversation() + [req("x", 0.02, range(300, 330)), req("y", 0.03, [1, 2, 3, 700])]
+    cfg = SimConfig(scheduler=scheduler, policy=NO_STARVE, gpu_kv_tokens=40_000)
+    plain = simulate(reqs, cfg)
+    one = Cluster(reqs, cfg, 1, "round-robin", None).run()
+    assert one.per_replica[0].to_json() == plain.to_json() | {"decision_us_mean": one.per_replica[0].decision_us_mean}
+    assert one.mean_queue_s == plain.mean_queue_s and one.p99_ttft_s == plain.p99_ttft_s
