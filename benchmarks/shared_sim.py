@@ -30,8 +30,7 @@ from dataclasses import replace
 from kvtier.tools.sim_remote import ClusterResult, RemoteConfig, run_cluster
 from kvtier.tools.simulate import SimConfig, calibrate_time_scale, load_trace
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from scheduler_sim import SPLIT_S, TUNED, policy_config  # noqa: E402  (the scheduling benchmark's tuned knobs)
+from kvtier.benchmarks.scheduler_sim import SPLIT_S, TUNED, policy_config  # the scheduling benchmark's tuned knobs
 
 DEFAULT_STORE = RemoteConfig()
 BIG_QUEUE_STORE = RemoteConfig(write_queue_mb=4096)
