@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.demo_vllm import _engine_env, _ratio  # the single-engine demo's engine environment and ratio format
+from kvtier.demo_vllm import _end_process_group, _engine_env, _ratio  # the single-engine demo's helpers
 from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, VOCAB
 from kvtier.tools.redis_server import READ_COMMANDS
 
@@ -181,7 +181,7 @@ class Replica:
                 f"    replica_main({str(path)!r})")
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=workdir, env={**_engine_env(), **(env_extra or {})},
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     bufsize=1)
+                                     bufsize=1, start_new_session=True)
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -221,9 +221,7 @@ class Replica:
         except Exception:  # noqa: BLE001 - killed below
             pass
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+            _end_process_group(self.proc)  # the replica and whatever it started (vLLM's engine core, if any)
             self._log.close()
 
 

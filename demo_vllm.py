@@ -33,6 +33,7 @@ import os
 import random
 import select
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -341,6 +342,16 @@ def _engine_env() -> dict[str, str]:
     return env
 
 
+def _end_process_group(proc: subprocess.Popen) -> None:
+    """Kill an engine process started with `start_new_session=True` and everything it started (vLLM's engine core
+    runs in a process of its own: killing only the child would leave it running, holding memory and CPU)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_turns: int, timeout: float,
                 env_extra: dict[str, str] | None = None) -> RunResult:
     from tqdm import tqdm
@@ -360,7 +371,8 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
     deadline = time.monotonic() + timeout
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=workdir, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(w_fd,))
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(w_fd,),
+                                start_new_session=True)
     os.close(w_fd)
     buf = b""
     try:
@@ -368,8 +380,7 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    proc.kill()
-                    proc.wait()
+                    _end_process_group(proc)
                     raise RuntimeError(f"{label}: the engine run took longer than {timeout:.0f} s (log: {log_path})")
                 ready, _, _ = select.select([rd], [], [], min(1.0, left))
                 if not ready:
@@ -390,9 +401,7 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
                         bar.update(1)
         rc = proc.wait(timeout=max(5.0, deadline - time.monotonic()))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _end_process_group(proc)  # also after a normal exit: nothing of the engine may outlive its run
         bar.close()
     out_path = workdir / f"{name}.out.json"
     if rc != 0 or not out_path.exists():
