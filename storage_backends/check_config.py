@@ -84,9 +84,8 @@ ADAPTER_MODULE = "kvtier.storage_backends.lmcache_mp_adapter"
 ADAPTER_CLASS = "KVTierL2Adapter"
 
 
-def check_l2_adapter(path: str) -> str:
-    """Validate an `--l2-adapter` JSON spec for kvtier's L2 adapter, parsed by LMCache's own argument parser."""
-    import argparse as _argparse
+def _json_object(path: str, what: str) -> dict:
+    """The JSON object in `path`; ConfigError if it is not valid JSON or not an object (`what` names it)."""
     import json
 
     try:
@@ -95,7 +94,16 @@ def check_l2_adapter(path: str) -> str:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: an --l2-adapter spec is a JSON object, got {type(spec).__name__}")
+        raise ConfigError(f"{path}: {what} is a JSON object, got {type(spec).__name__}")
+    return spec
+
+
+def check_l2_adapter(path: str) -> str:
+    """Validate an `--l2-adapter` JSON spec for kvtier's L2 adapter, parsed by LMCache's own argument parser."""
+    import argparse as _argparse
+    import json
+
+    spec = _json_object(path, "an --l2-adapter spec")
     from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 
     try:
@@ -144,15 +152,7 @@ CONNECTOR_MODULE = "kvtier.connector"
 def check_vllm_json(path: str, block_size: int = 16) -> str:
     """Validate a vLLM `--kv-transfer-config` JSON for kvtier's connector, as the connector does when vLLM builds
     it (`block_size`: vLLM's default page size; the engine's real one is checked again at start)."""
-    import json
-
-    try:
-        with open(path) as f:
-            spec = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: a --kv-transfer-config is a JSON object, got {type(spec).__name__}")
+    spec = _json_object(path, "a --kv-transfer-config")
     if spec.get("kv_connector") != CONNECTOR_NAME:
         raise ConfigError(f"{path}: \"kv_connector\" must be {CONNECTOR_NAME!r}, got {spec.get('kv_connector')!r}")
     if spec.get("kv_connector_module_path", CONNECTOR_MODULE) != CONNECTOR_MODULE:
