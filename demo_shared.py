@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.demo_vllm import _end_process_group, _engine_env, _ratio  # the single-engine demo's helpers
+from kvtier.demo_vllm import _engine_env, _ratio  # the single-engine demo's engine environment and ratio format
+from kvtier.tools.vllm_engine import end_process_group
 from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, VOCAB
 from kvtier.tools.redis_server import READ_COMMANDS
 
@@ -221,7 +222,7 @@ class Replica:
         except Exception:  # noqa: BLE001 - killed below
             pass
         finally:
-            _end_process_group(self.proc)  # the replica and whatever it started (vLLM's engine core, if any)
+            end_process_group(self.proc)  # the replica and whatever it started (vLLM's engine core, if any)
             self._log.close()
 
 

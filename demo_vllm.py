@@ -33,7 +33,6 @@ import os
 import random
 import select
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from typing import Any
 from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, MODEL, VOCAB
 from kvtier.tools.demo_model import build as build_model
 from kvtier.tools.lmcache_yaml import write_lmcache_yaml
+from kvtier.tools.vllm_engine import end_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -342,16 +342,6 @@ def _engine_env() -> dict[str, str]:
     return env
 
 
-def _end_process_group(proc: subprocess.Popen) -> None:
-    """Kill an engine process started with `start_new_session=True` and everything it started (vLLM's engine core
-    runs in a process of its own: killing only the child would leave it running, holding memory and CPU)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_turns: int, timeout: float,
                 env_extra: dict[str, str] | None = None) -> RunResult:
     from tqdm import tqdm
@@ -380,7 +370,7 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    _end_process_group(proc)
+                    end_process_group(proc)
                     raise RuntimeError(f"{label}: the engine run took longer than {timeout:.0f} s (log: {log_path})")
                 ready, _, _ = select.select([rd], [], [], min(1.0, left))
                 if not ready:
@@ -401,7 +391,7 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
                         bar.update(1)
         rc = proc.wait(timeout=max(5.0, deadline - time.monotonic()))
     finally:
-        _end_process_group(proc)  # also after a normal exit: nothing of the engine may outlive its run
+        end_process_group(proc)  # also after a normal exit: nothing of the engine may outlive its run
         bar.close()
     out_path = workdir / f"{name}.out.json"
     if rc != 0 or not out_path.exists():

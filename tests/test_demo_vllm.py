@@ -49,11 +49,12 @@ def test_demo_vllm_smallest(tmp_path):
 
 
 def test_an_engine_run_leaves_no_process_behind(tmp_path):
-    """What the demos do with an engine process (`_end_process_group`) also ends what it started: vLLM's engine
-    core runs in a process of its own, and killing only the child left it running (seen after a start timeout)."""
+    """What the demos and the tests' engine runner do with an engine process (`end_process_group`) also ends what
+    it started: vLLM's engine core runs in a process of its own, and killing only the child left it running (seen
+    after a start timeout)."""
     import time
 
-    from kvtier.demo_vllm import _end_process_group
+    from kvtier.tools.vllm_engine import end_process_group
 
     pid_file = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time\n"
@@ -65,7 +66,7 @@ def test_an_engine_run_leaves_no_process_behind(tmp_path):
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     grandchild = int(pid_file.read_text())
-    _end_process_group(proc)
+    end_process_group(proc)
     assert proc.returncode is not None
     for _ in range(100):  # the grandchild is reparented and reaped once killed
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -49,6 +50,16 @@ def tiny_llama(path: str | Path, **config: Any) -> str:
         subprocess.run([sys.executable, "-m", "kvtier.tools.vllm_engine", "--build-model", path, json.dumps(cfg)],
                        check=True, capture_output=True, timeout=300, env=dict(os.environ, **ENGINE_ENV))
     return path
+
+
+def end_process_group(proc: subprocess.Popen) -> None:
+    """Kill a process started with `start_new_session=True` and everything it started (vLLM's engine core runs in
+    a process of its own: killing only the child would leave it running, holding memory and CPU), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 class EngineFailed(AssertionError):
@@ -160,11 +171,7 @@ class EngineProcess:
 
     def _kill(self) -> None:
         if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, 9)  # the engine and anything it started (vLLM's engine core)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
+            end_process_group(self.proc)
 
 
 def run_conversations(engine: EngineProcess, conversations: list[list[list[int]]], schedule: list[list[int]],
