@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.demo_vllm import _engine_env, _ratio  # the single-engine demo's engine environment and ratio format
+from kvtier.demo_vllm import _engine_env, _ratio, add_conversation_arguments  # shared with the single-engine demo
 from kvtier.tools.vllm_engine import end_process_group
 from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, VOCAB
+from kvtier.tools.lmcache_yaml import write_lmcache_yaml
 from kvtier.tools.redis_server import READ_COMMANDS
 
 CONFIGS = ("none", "local", "shared-all", "shared-continuing", "mp-shared")
@@ -53,16 +54,7 @@ READY = "KVTIER-READY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.demo_data import path as data_path
-
-    p.add_argument("--trace", default=data_path("mooncake_conversation_sessions.jsonl"),
-                   help="Mooncake-format JSONL (default: the conversations shipped with kvtier)")
-    p.add_argument("--conversations", type=int, default=8, help="conversations to replay")
-    p.add_argument("--turns", type=int, default=4, help="turns per conversation (conversations with fewer are skipped)")
-    p.add_argument("--block-tokens", type=int, default=64, help="token ids per 512-token trace block")
-    p.add_argument("--max-prompt-tokens", type=int, default=2048,
-                   help="skip conversations whose last replayed prompt would be longer")
-    p.add_argument("--answer-tokens", type=int, default=16, help="upper bound of a scaled answer (greedy, no EOS)")
+    add_conversation_arguments(p, conversations=8, max_prompt_tokens=2048, answer_tokens=16)
     p.add_argument("--replicas", type=int, default=2, help="vLLM replicas behind the round-robin router")
     p.add_argument("--routing", choices=("round-robin", "alternate"), default="round-robin",
                    help="round-robin: request i (arrival order) to replica i %% replicas; alternate: turn t of "
@@ -240,19 +232,16 @@ class ConfigRun:
 
 
 def _lmcache_yaml(path: Path, cfg: str, chunk: int, host_mb: float, ssd_dir: Path, ssd_mb: float,
-                  redis_url: str, min_history: int) -> None:
-    text = (f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {host_mb / 1024:.9f}\n"
-            "pre_caching_hash_algorithm: sha256_cbor\nstorage_plugins: [\"kvtier\"]\n")
+                  redis_port: int | None, min_history: int) -> None:
+    """The shipped YAML of `cfg` (`configs/lmcache-kvtier.yaml`, or `lmcache-kvtier-redis.yaml` for `shared-*`)
+    with the demo's sizes, paths, Redis port and write rule, page-first chunks."""
+    kw: dict[str, Any] = {}
     if cfg.startswith("shared-"):
-        text += f"remote_url: {redis_url}\nremote_serde: naive\n"
-    text += ("extra_config:\n  storage_plugin.kvtier.module_path: kvtier.storage_backends\n"
-             "  storage_plugin.kvtier.class_name: KVTierBackend\n"
-             f"  kvtier.ssd_path: {ssd_dir}\n  kvtier.ssd_capacity_gb: {ssd_mb / 1024:.9f}\n"
-             "  kvtier.chunk_format: page_first\n")
-    if cfg.startswith("shared-"):
-        text += (f"  kvtier.shared:\n    writes: {cfg.removeprefix('shared-')}\n    on_unavailable: fail\n"
-                 f"    min_history_chunks: {min_history}\n")
-    path.write_text(text)
+        kw = {"base": "lmcache-kvtier-redis.yaml", "redis_port": redis_port,
+              "replace": {"writes: all": f"writes: {cfg.removeprefix('shared-')}",
+                          "    # model_id:": f"    min_history_chunks: {min_history}\n    # model_id:"}}
+    write_lmcache_yaml(path, ssd_path=ssd_dir, chunk_size=chunk, host_gb=f"{host_mb / 1024:.9f}",
+                       ssd_capacity_gb=f"{ssd_mb / 1024:.9f}", extra={"chunk_format": "page_first"}, **kw)
 
 
 def _kv_configs(cfg: str, workdir: Path, opts: argparse.Namespace, host_mb: float, redis: Any,
@@ -287,7 +276,7 @@ def _kv_configs(cfg: str, workdir: Path, opts: argparse.Namespace, host_mb: floa
                                                                             "lmcache.mp.port": srv.port}})
             continue
         y = workdir / f"lmcache-{cfg}-{i}.yaml"
-        _lmcache_yaml(y, cfg, opts.chunk_tokens, host_mb, ssd, opts.ssd_mb, redis.url if redis is not None else "",
+        _lmcache_yaml(y, cfg, opts.chunk_tokens, host_mb, ssd, opts.ssd_mb, redis.port if redis is not None else None,
                       opts.min_history_chunks)
         out.append({"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

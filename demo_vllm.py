@@ -59,17 +59,24 @@ LMCACHE_MP_NOTE = (
     "`lmcache server` (L1 = the kvtier host tier's size) with LMCache's own `fs` L2 adapter on the same disk.")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_conversation_arguments(p: argparse.ArgumentParser, *, conversations: int, max_prompt_tokens: int,
+                               answer_tokens: int) -> None:
+    """The replayed conversations' options, shared by `demo-vllm` and `demo-shared` (their defaults differ)."""
     from kvtier.demo_data import path as data_path
 
     p.add_argument("--trace", default=data_path("mooncake_conversation_sessions.jsonl"),
                    help="Mooncake-format JSONL (default: 60 whole conversations shipped with kvtier)")
-    p.add_argument("--conversations", type=int, default=16, help="conversations to replay")
+    p.add_argument("--conversations", type=int, default=conversations, help="conversations to replay")
     p.add_argument("--turns", type=int, default=4, help="turns per conversation (conversations with fewer are skipped)")
     p.add_argument("--block-tokens", type=int, default=64, help="token ids per 512-token trace block")
-    p.add_argument("--max-prompt-tokens", type=int, default=3072,
+    p.add_argument("--max-prompt-tokens", type=int, default=max_prompt_tokens,
                    help="skip conversations whose last replayed prompt would be longer")
-    p.add_argument("--answer-tokens", type=int, default=24, help="upper bound of a scaled answer (greedy, no EOS)")
+    p.add_argument("--answer-tokens", type=int, default=answer_tokens,
+                   help="upper bound of a scaled answer (greedy, no EOS)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_conversation_arguments(p, conversations=16, max_prompt_tokens=3072, answer_tokens=24)
     p.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="vLLM KV-cache budget in blocks of --page-tokens (default: room for --concurrency of the "

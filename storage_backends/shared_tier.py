@@ -220,6 +220,7 @@ class SharedTier:
         self._known: collections.OrderedDict[str, None] = collections.OrderedDict()  # remote keys seen in the store
         self._queue: collections.deque[tuple[Any, Any, int]] = collections.deque()
         self._queued_bytes = 0
+        self._queue_full_episode = False  #: writes are being dropped for want of queue room (logged once)
         self._cv = threading.Condition()
         self._busy = 0
         self._closed = False
@@ -422,7 +423,16 @@ class SharedTier:
                 if self._queued_bytes + size > cap:
                     obj.ref_count_down()
                     self._drop("queue_full")
+                    if not self._queue_full_episode:  # once per episode; the metric counts every chunk
+                        self._queue_full_episode = True
+                        logger.warning("kvtier: shared store writes fall behind: %d MiB queued, new writes are "
+                                       "dropped (counted in kvtier_shared_dropped_writes_total{reason=\"queue_full\"}"
+                                       "); raise kvtier.shared.max_queued_write_mb or use writes: continuing",
+                                       self._queued_bytes >> 20)
                     continue
+                if self._queue_full_episode:
+                    self._queue_full_episode = False
+                    logger.info("kvtier: shared store writes are queued again")
                 self._queue.append((rkey, obj, size))
                 self._queued_bytes += size
                 self._cv.notify()

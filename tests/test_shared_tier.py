@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -203,3 +204,36 @@ def test_store_lost_mid_run_is_a_logged_counted_miss_and_used_again_once_back(re
     finally:
         sa.close()
         sb.close()
+
+
+def test_writes_beyond_the_queue_bound_are_dropped_counted_and_logged_once_per_episode(redis_server, engines,
+                                                                                          caplog, monkeypatch):
+    a = engines()
+    sa = shared(a, max_queued_write_mb=1)
+    gate = threading.Event()
+    write_batch = sa._write_batch
+    monkeypatch.setattr(sa, "_write_batch", lambda batch: (gate.wait(30), write_batch(batch)))  # a stalled store
+    try:
+        tokens = torch.arange(320 * CHUNK)
+        a.store(tokens, kvcaches=kv_for(len(tokens)))
+        keys = keys_of(a, tokens)
+        obj = sa.host.get_blocking(keys[0])
+        size = obj.get_size()
+        obj.ref_count_down()
+        room = (1 << 20) // size
+        assert room < 300
+        log = "kvtier.storage_backends.shared_tier"
+        with caplog.at_level(logging.INFO, logger=log):
+            assert sa.submit_writes(keys[:150]) == min(150, room)
+            assert sa.submit_writes(keys[150:300]) == room - min(150, room)
+            assert sa.stats.dropped_writes == 300 - room  # every dropped chunk counted ...
+            behind = [r for r in caplog.records if r.name == log and "fall behind" in r.getMessage()]
+            assert len(behind) == 1 and "max_queued_write_mb" in behind[0].getMessage()  # ... logged once
+            gate.set()
+            assert sa.flush(30) and sa.stats.writes == room
+            assert sa.submit_writes(keys[300:]) == 20 and sa.flush(30)  # room again: the episode ends
+            again = [r for r in caplog.records if r.name == log and "queued again" in r.getMessage()]
+            assert len(again) == 1
+    finally:
+        gate.set()
+        sa.close()
