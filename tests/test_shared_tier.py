@@ -17,7 +17,6 @@ from kvtier.storage_backends.shared_config import SharedTierOptions  # noqa: E40
 from kvtier.storage_backends.shared_tier import (  # noqa: E402
     arrange_local_first,
     attach_shared_tier,
-    detach_remote_backends,
 )
 from kvtier.tools.engine_factory import TINY as SHAPE  # noqa: E402
 from kvtier.tools.engine_factory import ModelShape, kvtier_backend, random_kv  # noqa: E402
