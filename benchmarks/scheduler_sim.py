@@ -5,13 +5,13 @@ shared-prefix workload, and the per-step decision cost.
         [--loads 0.85,0.95] [--json OUT] [--plot OUT.png] [--tune]
 
 1. Held out: the knobs below (`TUNED`: kvtier's scheduler, its starvation multiple, the load plan's GPU-time
-   weight) were chosen with `--tune` on the first 15 minutes of the trace (timestamp < 900,000 ms); the report
-   replays the second 15 minutes only (cold tiers), at each load (arrival times scaled so that `fcfs` keeps the GPU
-   that busy), under the baselines `fcfs`, `fcfs+prefetch`, `recompute` (no host or SSD tier) and kvtier's
-   schedulers, SSD write-back charged. Targets, against the best of `fcfs+prefetch` and `recompute` in the same
-   run: kvtier's best scheduler's mean queueing <= 0.6x, P99 TTFT <= 1.0x, nothing starves (its longest queueing
-   time is no longer than the longest under the fair baselines, which serve strictly by arrival), completed
-   counts equal.
+   weight, HRRN's aging weight `hrrn_service_exponent`) were chosen with `--tune` on the first 15 minutes of the
+   trace (timestamp < 900,000 ms); the report replays the second 15 minutes only (cold tiers), at each load
+   (arrival times scaled so that `fcfs` keeps the GPU that busy), under the baselines `fcfs`, `fcfs+prefetch`,
+   `recompute` (no host or SSD tier) and kvtier's schedulers, SSD write-back charged. Targets, against the best of
+   `fcfs+prefetch` and `recompute` in the same run: kvtier's best scheduler's mean queueing <= 0.6x, P99 TTFT
+   <= 1.0x, nothing starves (its longest queueing time is no longer than the longest under the fair baselines,
+   which serve strictly by arrival), completed counts equal.
 2. Shared-prefix workload (`kvtier.tools.workloads`, seeded; task rate chosen so that `fcfs` keeps the GPU 85%
    busy, the 1 s fan-out window unscaled): delay-hit avoidance must cut recomputed tokens by >= 30% against the
    same dual-queue scheduler without it, on every reported seed (also reported: `+delay-hit+own-loads`, which
@@ -64,9 +64,11 @@ _clock = time.thread_time
 SPLIT_S = 900.0  # the first 15 minutes tune, the second 15 are held out
 BASELINES = ("fcfs", "fcfs+prefetch", "recompute")
 #: chosen by `--tune` on the first 15 minutes (see `tune`): the scheduler and knobs reported as kvtier's best
-TUNED = {"scheduler": "dual-queue+hrrn", "starvation_multiple": 6.0, "recompute_gpu_weight": 1000.0}
+TUNED = {"scheduler": "dual-queue+hrrn", "starvation_multiple": 6.0, "recompute_gpu_weight": 1000.0,
+         "hrrn_service_exponent": 1.0}
+#: `hrrn_service_exponent` (HRRN's aging weight) only varies for the `+hrrn` schedulers
 TUNE_GRID = {"scheduler": ("dual-queue", "dual-queue+hrrn"), "starvation_multiple": (4.0, 6.0, 8.0),
-             "recompute_gpu_weight": (0.0, 3.0, 1000.0)}
+             "recompute_gpu_weight": (0.0, 3.0, 1000.0), "hrrn_service_exponent": (1.0, 1.5)}
 TARGET_QUEUE_RATIO = 0.6
 TARGET_TTFT_RATIO = 1.0
 TARGET_DELAY_HIT_CUT = 0.30
@@ -76,8 +78,8 @@ EAGER_NAMES = ("dual-queue+eager-replan", "dual-queue+delay-hit+eager-replan", "
                "dual-queue+hrrn+delay-hit+eager-replan")
 
 
-def policy_config(multiple: float, weight: float) -> DualQueueConfig:
-    cfg = DualQueueConfig(starvation_multiple=multiple)
+def policy_config(multiple: float, weight: float, exponent: float = 1.0) -> DualQueueConfig:
+    cfg = DualQueueConfig(starvation_multiple=multiple, hrrn_service_exponent=exponent)
     return replace(cfg, load_plan=replace(cfg.load_plan, recompute_gpu_weight=weight))
 
 
@@ -122,8 +124,9 @@ def tune(reqs, base: SimConfig, loads: list[float]) -> dict:
     results = []
     for sched in TUNE_GRID["scheduler"]:
         for mult in TUNE_GRID["starvation_multiple"]:
-            for w in TUNE_GRID["recompute_gpu_weight"]:
-                pol = policy_config(mult, w)
+            for w, beta in [(w, b) for w in TUNE_GRID["recompute_gpu_weight"]
+                            for b in (TUNE_GRID["hrrn_service_exponent"] if "hrrn" in sched else (1.0,))]:
+                pol = policy_config(mult, w, beta)
                 worst, ok = 0.0, True
                 row = []
                 for load, scale, fair in per_load:
@@ -134,11 +137,11 @@ def tune(reqs, base: SimConfig, loads: list[float]) -> dict:
                     worst = max(worst, q)
                     ok &= all(v for k, v in c.items() if "mean queue" not in k)
                     row.append(f"load {load}: queue {q:.3f}x P99 TTFT {t:.3f}x max queue {r.max_queue_s:.1f} s")
-                results.append((not ok, worst, sched, mult, w))
-                print(f"  {sched:<18} starvation_multiple {mult:<4} recompute_gpu_weight {w:<7} "
+                results.append((not ok, worst, sched, mult, w, beta))
+                print(f"  {sched:<18} starvation_multiple {mult:<4} recompute_gpu_weight {w:<7} exponent {beta:<4} "
                       f"{'ok ' if ok else 'bad'} | " + " | ".join(row), flush=True)
-    bad, worst, sched, mult, w = min(results)
-    best = {"scheduler": sched, "starvation_multiple": mult, "recompute_gpu_weight": w}
+    bad, worst, sched, mult, w, beta = min(results)
+    best = {"scheduler": sched, "starvation_multiple": mult, "recompute_gpu_weight": w, "hrrn_service_exponent": beta}
     print(f"  tuned: {best} (worst-load mean queue {worst:.3f}x{'' if not bad else ', misses another target'})")
     return best
 
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if not held:
         raise SystemExit(f"{args.trace}: no requests at or after {SPLIT_S:.0f} s (need the 30-minute trace)")
     best = tuned["scheduler"]
-    pol = policy_config(tuned["starvation_multiple"], tuned["recompute_gpu_weight"])
+    pol = policy_config(tuned["starvation_multiple"], tuned["recompute_gpu_weight"], tuned["hrrn_service_exponent"])
     print(f"\n== held out: the second 15 minutes of {args.trace} ({len(held)} requests, timestamp >= "
           f"{SPLIT_S * 1000:.0f} ms; cold tiers). Knobs tuned on the first 15 minutes{' (this run)' if args.tune else ''}"
           f": {tuned}")

@@ -89,7 +89,7 @@ __all__ = [
 READY_ORDERS = ("arrival", "hrrn")
 #: keys of `kv_connector_extra_config["kvtier.scheduler"]` (README, "Using kvtier with vLLM")
 SCHEDULER_KEYS = ("delay_hit", "delay_hit_own_loads", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s",
-                  "mean_window", "ready_order", "idle_replan_counts_arrivals") + LOAD_PLAN_KEYS
+                  "mean_window", "ready_order", "idle_replan_counts_arrivals", "hrrn_service_exponent") + LOAD_PLAN_KEYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +112,9 @@ class DualQueueConfig:
     gpu_capacity: int | None = None
     #: order of the ready queue: `arrival` (FCFS by original arrival) or `hrrn` (by uncached service time)
     ready_order: str = "arrival"
+    #: HRRN's aging weight: the ready ratio is (waiting time + 1 ms) / service ** this; 1 is plain HRRN, larger
+    #: favours short prefills longer (the starvation bound still caps every wait), 0 is FCFS by arrival
+    hrrn_service_exponent: float = 1.0
     #: the load-or-recompute decision's knobs and cost model (also the service-time estimate of `hrrn`)
     load_plan: LoadPlanConfig = field(default_factory=LoadPlanConfig)
 
@@ -136,7 +139,7 @@ class DualQueueConfig:
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ValueError(f"{prefix}.{key} must be an integer >= 1, got {v!r}")
                 out[key] = v
-        for key, lo in (("starvation_multiple", 0.0), ("starvation_floor_s", None)):
+        for key, lo in (("starvation_multiple", 0.0), ("starvation_floor_s", None), ("hrrn_service_exponent", None)):
             if key in keys:
                 v = keys[key]
                 ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and \
@@ -163,6 +166,8 @@ class DualQueueConfig:
             raise ValueError("starvation_multiple must be > 0 and starvation_floor_s >= 0")
         if self.mean_window < 1:
             raise ValueError("mean_window must be >= 1")
+        if not (math.isfinite(self.hrrn_service_exponent) and self.hrrn_service_exponent >= 0):
+            raise ValueError("hrrn_service_exponent must be a finite number >= 0")
 
 
 #: HRRN's ratio is (waiting time + this) / service: among requests that waited equally long (a burst arriving at
@@ -247,6 +252,7 @@ class DualQueuePolicy:
         self._seq = 0
         self._waits = _WaitStats(self.config.mean_window)
         self._hrrn = self.config.ready_order == "hrrn"
+        self._beta = self.config.hrrn_service_exponent
         self._index = RatioIndex(_RATIO_EPS_S) if self._hrrn else None  # the ready requests, for HRRN
         self._ready_work = 0.0  # sum of the ready requests' service estimates
         self._work_buckets = [0.0] * _BUCKETS  # the same, by service time (log buckets), for HRRN's wait estimate
@@ -363,6 +369,10 @@ class DualQueuePolicy:
         s = self.planner.service_s(max(hint.prompt_tokens, use), use, max(use - hint.gpu_tokens, 0))
         return max(s, 1e-6)  # HRRN divides by it
 
+    def _inverse_service(self, service: float) -> float:
+        """HRRN's ratio is (waiting time + eps) times this: 1 / service ** `hrrn_service_exponent`."""
+        return 1.0 / service if self._beta == 1.0 else service ** -self._beta
+
     def holds(self, request_id: str, now: float) -> bool:
         """Whether a waiting request must not be admitted now for a delay hit: its in-flight prefix is still
         being computed by another request, and it is not starving. A scheduler that walks its waiting queue
@@ -407,7 +417,7 @@ class DualQueuePolicy:
             bisect.insort(self._ready, w.key + (rid, w))  # by original arrival, whatever the promotion time
             w.where = "ready"
             w.service = self.service_s(w.hint)
-            w.inv = 1.0 / w.service
+            w.inv = self._inverse_service(w.service)
             self._ready_work += w.service
             self._work_buckets[_bucket(w.service)] += w.service
             if self._index is not None:
@@ -457,7 +467,7 @@ class DualQueuePolicy:
                 self._work_buckets[_bucket(w.service)] -= w.service
                 self._work_buckets[_bucket(service)] += service
                 w.service = service
-                w.inv = 1.0 / service
+                w.inv = self._inverse_service(service)
             else:
                 self._prep_bytes += hint.ssd_bytes - w.hint.ssd_bytes
             w.hint = hint

@@ -267,6 +267,28 @@ def test_hrrn_ready_order_by_uncached_service_with_the_starvation_bound():
     assert p.pick(20.5) != "long"
 
 
+def test_hrrn_service_exponent_is_the_aging_weight_of_the_ready_order():
+    now = 2.5
+    hints = [ready("old-long", 0.0, 8000), ready("new-short", 2.3, 500), ready("mid", 1.0, 3000),
+             ready("burst-a", 2.4, 2000), ready("burst-b", 2.4, 600)]
+    picks, orders = {}, {}
+    for beta in (0.0, 1.0, 2.0):
+        p = DualQueuePolicy(DualQueueConfig(ready_order="hrrn", starvation_floor_s=20.0, hrrn_service_exponent=beta))
+        for h in hints:
+            p.add(h, 10)
+        expect = sorted(p.ids(), key=lambda r: -(now + 1e-3 - p.hint(r).arrival) / p.service_s(p.hint(r)) ** beta)
+        orders[beta], picks[beta] = p.order(now), p.pick(now)
+        assert orders[beta] == expect and picks[beta] == expect[0], beta
+    assert orders[0.0] == ["old-long", "mid", "new-short", "burst-a", "burst-b"]  # 0: by waiting time alone (FCFS)
+    # services 0.30, 0.11 and 0.022 s: plain HRRN takes the mid one, a larger weight keeps the short one first
+    assert picks[0.0] == "old-long" and picks[1.0] == "mid" and picks[2.0] == "new-short"
+    assert orders[1.0].index("burst-b") < orders[1.0].index("burst-a")  # equal waits: the shorter first
+    cfg = DualQueueConfig.from_keys({"ready_order": "hrrn", "hrrn_service_exponent": 1.5})
+    assert cfg.hrrn_service_exponent == 1.5 and "hrrn_service_exponent" in SCHEDULER_KEYS
+    with pytest.raises(ValueError, match="kvtier.scheduler.hrrn_service_exponent"):
+        DualQueueConfig.from_keys({"hrrn_service_exponent": -1})
+
+
 # --- the idle-GPU re-plan under load -------------------------------------------------------------------------------
 
 

@@ -174,6 +174,28 @@ def test_a_long_prefill_lands_its_earlier_chunks_before_the_next_admission():
     assert res.tokens["computed"] == 40 * 512 + 9 * 512
 
 
+def test_a_prefetch_that_never_progresses_is_given_up_not_spun_on():
+    # A policy that keeps offering a waiting request whose prefix is all in host memory (nothing to read: no read is
+    # issued, nothing changes): `_issue_prefetch` must end the call and count a give-up, not ask again forever.
+    # C's long prefill holds the GPU, B is admitted behind it, D waits.
+    reqs = [req("C", 0.00, range(301, 331)), req("B", 0.01, [101, 102, 103]), req("D", 0.02, [101, 102, 104])]
+    seed = {"host": [101, 102]}
+    sim = make(reqs, "dual-queue+always-load", seed)
+    real_next, calls = sim.policy.next_prefetch, [0]
+
+    def stuck_next(now):
+        calls[0] += 1
+        if calls[0] > 1000:
+            raise AssertionError("next_prefetch asked 1000 times: the retry loop spins")
+        return "D" if "D" in sim.waiting else real_next(now)
+
+    sim.policy.next_prefetch = stuck_next
+    res = sim.run()
+    assert res.completed == 3 and sim.read_order == [] and sim.dispatch_order == ["C", "B", "D"]
+    assert res.policy_stats["prefetch_giveups"] >= 1 and calls[0] < 200  # two asks per event at most
+    assert make(reqs, "dual-queue+always-load", seed).run().policy_stats["prefetch_giveups"] == 0
+
+
 def test_a_prefix_is_read_from_the_ssd_once_for_two_requests():
     seed = {"ssd": list(range(1, 11))}
     reqs = [

@@ -318,6 +318,8 @@ class Simulator:
         self.last_event = 0.0
         self._decision_s = 0.0
         self._decisions = 0
+        #: `_issue_prefetch` calls ended because the policy offered the same request twice without progress
+        self.prefetch_giveups = 0
         self.dispatch_order: list[str] = []  #: request ids in the order they were admitted
         self.read_order: list[str] = []  #: request ids in the order their SSD prefetches were issued
 
@@ -567,7 +569,13 @@ class Simulator:
         return True
 
     def _issue_prefetch(self) -> None:
-        """Issue the policy's next SSD read (one at a time: nothing else is being read when this runs)."""
+        """Issue the policy's next SSD read (one at a time: nothing else is being read when this runs).
+
+        A request whose read finds nothing left to read is re-evaluated and the policy asked again. Each waiting
+        request gets at most one such turn per call: a request offered a second time without progress (its
+        re-evaluation did not change what the policy offers) ends the call and counts in `prefetch_giveups`
+        instead of looping forever; the next event asks again."""
+        tried: set[str] = set()
         while True:
             t0 = time.perf_counter()
             rid = self.policy.next_prefetch(self.now)
@@ -575,6 +583,11 @@ class Simulator:
             self._decisions += 1
             if rid is None:
                 return
+            if rid in tried:
+                self.prefetch_giveups += 1
+                logger.debug("prefetch of %s made no progress twice at t=%.3f: given up for this event", rid, self.now)
+                return
+            tried.add(rid)
             r = self.waiting[rid]
             staged = self.staged.setdefault(rid, set())
             todo: list[int] = []
@@ -953,6 +966,7 @@ class Simulator:
         stats = dict(getattr(self.policy, "stats", {}))
         if self.planner is not None and self.tiers:
             stats.update(self.planner.stats)
+        stats["prefetch_giveups"] = self.prefetch_giveups
         return SimResult(
             scheduler=self.config.scheduler,
             eviction=self.config.eviction,
