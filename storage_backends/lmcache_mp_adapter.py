@@ -16,7 +16,8 @@ O_DIRECT/kvikio, back-pressure). What it adds is LMCache's contract (`L2AdapterI
   size and rank, object group, chunk hash, cache salt); the chunk's layout (shapes, dtypes, format, size) travels
   in the slot header and is compared with each load's destination: a chunk of another layout is a miss (a 0 bit),
   never bytes in the wrong buffer.
-- tasks: stores are queued to one dispatcher thread (the tier may make it wait: back-pressure) and complete when
+- tasks: stores are queued to one dispatcher thread, which hands each task's chunks to the tier in one call (its
+  writers then commit them together; the tier may make it wait: back-pressure); a task completes when
   every chunk is committed (durable when `durable_writes`) or failed; lookups pin what they find (the pin is the
   lock; `submit_unlock` releases it, and a pin nobody releases expires after `pin_timeout_s`); loads run on two
   threads, straight into LMCache's L1 buffers, and set a bit only for a chunk that passed every check.
@@ -358,6 +359,7 @@ class KVTierL2Adapter(L2AdapterInterface):
             return
         layouts = [Layout.of_object(o) for o in objects]
         tier = self._tier_for(max(lay.nbytes for lay in layouts))
+        puts = []  # one submit for the whole task: the tier's writers take its chunks together (one sync)
         for key, obj, lay in zip(keys, objects, layouts):
             s = key_string(key)
             if tier is None or not lay.consistent():
@@ -367,22 +369,26 @@ class KVTierL2Adapter(L2AdapterInterface):
                 continue
             with self._lock:
                 waiting = self._writing.get(s)
-                if waiting is not None:  # an earlier task's put of the same chunk is queued: share its outcome
+                if waiting is not None:  # an earlier put of the same chunk is queued: share its outcome
                     waiting.append(task)
                     continue
                 self._writing[s] = []
-            queued = tier.submit_put(s, lay.chunk_meta(), obj.byte_array, self._put_done(key, s, lay.nbytes, task))
-            if not queued:
-                with self._lock:
-                    others = self._writing.pop(s, [])
-                ok = tier.contains(s)  # already stored: a success that wrote nothing
-                if not ok and lay.nbytes > tier.slot_size - 4096 and not self._warned_too_large:
-                    self._warned_too_large = True
-                    logger.error("a %d-byte chunk does not fit the %d-byte slots of %s (sized by the first chunks "
-                                 "it stored, see %s); such chunks are not stored: give this model its own "
-                                 "adapter_params.ssd_path", lay.nbytes, tier.slot_size, self.directory, LAYOUT_FILE)
-                for t in [task, *others]:
-                    self._resolve(t, ok, 0)
+            puts.append((s, lay, (s, lay.chunk_meta(), obj.byte_array, self._put_done(key, s, lay.nbytes, task))))
+        if not puts or tier is None:
+            return
+        for (s, lay, _), queued in zip(puts, tier.submit_puts([p for _, _, p in puts])):
+            if queued:
+                continue
+            with self._lock:
+                others = self._writing.pop(s, [])
+            ok = tier.contains(s)  # already stored: a success that wrote nothing
+            if not ok and lay.nbytes > tier.slot_size - 4096 and not self._warned_too_large:
+                self._warned_too_large = True
+                logger.error("a %d-byte chunk does not fit the %d-byte slots of %s (sized by the first chunks "
+                             "it stored, see %s); such chunks are not stored: give this model its own "
+                             "adapter_params.ssd_path", lay.nbytes, tier.slot_size, self.directory, LAYOUT_FILE)
+            for t in [task, *others]:
+                self._resolve(t, ok, 0)
 
     def _put_done(self, key: ObjectKey, s: str, nbytes: int, task: _StoreTask):
         def done(ok: bool) -> None:  # the tier's writer thread, under the tier's lock: record only
