@@ -420,3 +420,31 @@ def test_capacity_below_one_chunk_is_reported_not_silent(adapters, l1):
     st = a.report_status()
     assert not st["is_healthy"] and "adapter_params.ssd_capacity_gb" in st["error"]
     assert lookup(a, keys_for(1)) == [False]
+
+
+def test_a_store_task_commits_its_chunks_together(adapters, l1):
+    """A store task's chunks reach the tier in one call, so one writer commits them with one journal append
+    (one fdatasync and one journal fsync for the task, not one per chunk), all durable before the task completes."""
+    a = adapters()
+    assert lookup(a, keys_for(1, start=900)) == [False]  # the lookup's layout opens the tier
+    commits: list[int] = []
+    real = a.tier.io.commit
+
+    def commit(records):
+        real(records)
+        commits.append(len(records))
+
+    a.tier.io.commit = commit
+    submit = a.tier.queue.submit_many
+
+    def slow_submit(tasks):  # the writers get time to start on what was handed over before the rest arrives
+        out = submit(tasks)
+        threading.Event().wait(0.05)
+        return out
+
+    a.tier.queue.submit_many = slow_submit
+    keys, objs = keys_for(6), l1(6)
+    res = store(a, keys, objs)
+    assert res.is_successful() and res.bytes_transferred() == 6 * NBYTES
+    assert commits == [6]
+    assert all(a.tier.contains(key_string(k)) for k in keys)
