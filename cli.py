@@ -14,6 +14,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvtier.demo", "replay a multi-turn trace slice through LMCache, with and without kvtier's SSD tier"),
     "demo-vllm": ("kvtier.demo_vllm", "the main job: replay multi-turn conversations through vLLM, with and without "
                   "kvtier"),
+    "demo-shared": ("kvtier.demo_shared", "replay conversations round-robin over several vLLM replicas: without "
+                    "kvtier, kvtier local-only, kvtier + a shared Redis (writes all / continuing)"),
     "demo-model": ("kvtier.tools.demo_model", "write the tiny demo model (weights + tokenizer) for `vllm serve`"),
     "replay": ("kvtier.tools.replay", "replay a request trace against eviction policies"),
     "simulate": ("kvtier.tools.simulate", "discrete-event replay of scheduling policies"),

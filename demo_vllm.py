@@ -44,6 +44,8 @@ from typing import Any
 
 from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, MODEL, VOCAB
 from kvtier.tools.demo_model import build as build_model
+from kvtier.tools.lmcache_yaml import write_lmcache_yaml
+from kvtier.tools.vllm_engine import end_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +361,8 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
     deadline = time.monotonic() + timeout
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=workdir, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(w_fd,))
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(w_fd,),
+                                start_new_session=True)
     os.close(w_fd)
     buf = b""
     try:
@@ -367,8 +370,7 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    proc.kill()
-                    proc.wait()
+                    end_process_group(proc)
                     raise RuntimeError(f"{label}: the engine run took longer than {timeout:.0f} s (log: {log_path})")
                 ready, _, _ = select.select([rd], [], [], min(1.0, left))
                 if not ready:
@@ -389,9 +391,7 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
                         bar.update(1)
         rc = proc.wait(timeout=max(5.0, deadline - time.monotonic()))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        end_process_group(proc)  # also after a normal exit: nothing of the engine may outlive its run
         bar.close()
     out_path = workdir / f"{name}.out.json"
     if rc != 0 or not out_path.exists():
@@ -402,14 +402,9 @@ def _run_engine(name: str, label: str, workdir: Path, args: dict[str, Any], n_tu
 
 
 def _lmcache_yaml(path: Path, chunk: int, host_mb: float, ssd_dir: str, ssd_mb: float) -> None:
-    path.write_text(
-        f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {host_mb / 1024:.9f}\n"
-        "pre_caching_hash_algorithm: sha256_cbor\n"
-        'storage_plugins: ["kvtier"]\nextra_config:\n'
-        "  storage_plugin.kvtier.module_path: kvtier.storage_backends\n"
-        "  storage_plugin.kvtier.class_name: KVTierBackend\n"
-        f"  kvtier.ssd_path: {ssd_dir}\n  kvtier.ssd_capacity_gb: {ssd_mb / 1024:.9f}\n"
-        "  kvtier.chunk_format: page_first\n")
+    """The shipped `configs/lmcache-kvtier.yaml` with the demo's sizes and paths, page-first chunks."""
+    write_lmcache_yaml(path, ssd_path=ssd_dir, chunk_size=chunk, host_gb=f"{host_mb / 1024:.9f}",
+                       ssd_capacity_gb=f"{ssd_mb / 1024:.9f}", extra={"chunk_format": "page_first"})
 
 
 def _pct(xs: list[float], q: float) -> float:

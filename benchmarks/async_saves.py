@@ -18,93 +18,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from kvtier.tools.lmcache_yaml import write_lmcache_yaml
+from kvtier.tools.vllm_engine import EngineProcess, tiny_llama
 
-MODEL_SCRIPT = """
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, initializer_range=0.2)
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
-"""
-
-ENGINE_SCRIPT = """
-import json, random, sys, time
-
-
-def main():
-    a = json.loads(open(sys.argv[1]).read())
-    from vllm import LLM, SamplingParams
-
-    kw = {"kv_transfer_config": a["ktc"]} if a.get("ktc") else {}
-    llm = LLM(model=a["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True, block_size=32,
-              max_model_len=2048, enable_prefix_caching=False, max_num_seqs=a["prompts"], seed=0, **kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=True)
-    rng = random.Random(a["seed"])
-    print("ready", flush=True)
-    for r in range(a["rounds"] + 1):  # round 0 warms up
-        sys.stdin.readline()  # the driver's go
-        prompts = [{"prompt_token_ids": [rng.randrange(1, 1000) for _ in range(a["prompt_tokens"])]}
-                   for _ in range(a["prompts"])]
-        t0 = time.perf_counter()
-        out = llm.generate(prompts, sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
-        if conn is not None:  # the round's queued saves and SSD writes land before the next engine's round
-            conn.scheduler_side.client.call({"op": "flush", "timeout": 120})
-        print(json.dumps({"seconds": dt, "drained_seconds": time.perf_counter() - t0,
-                          "output_tokens": sum(len(o.outputs[0].token_ids) for o in out)}), flush=True)
-    llm.llm_engine.engine_core.shutdown()
-
-
-if __name__ == "__main__":
-    main()
-"""
+#: a somewhat larger random Llama than the tests' (4 layers of 256): the engine step has work to hide saves behind
+MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4}
 
 
 def ktc(work: Path, async_saves: bool) -> dict:
-    text = (REPO / "configs" / "lmcache-kvtier.yaml").read_text()
-    text = text.replace("/var/cache/kvtier", str(work / f"ssd-{uuid.uuid4().hex[:6]}"))
-    text = text.replace("chunk_size: 256", "chunk_size: 32")
-    text = text.replace("kvtier.ssd_capacity_gb: 100", "kvtier.ssd_capacity_gb: 1")
-    yml = work / f"lmcache-{uuid.uuid4().hex[:6]}.yaml"
-    yml.write_text(text)
+    tag = uuid.uuid4().hex[:6]
+    yml = write_lmcache_yaml(work / f"lmcache-{tag}.yaml", ssd_path=work / f"ssd-{tag}", chunk_size=32,
+                             ssd_capacity_gb=1)
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector", "kv_role": "kv_both",
             "engine_id": f"kvtier-bench-{uuid.uuid4().hex[:8]}",
-            "kv_connector_extra_config": {"config_file": str(yml),
-                                          "kvtier.connector": {"async_saves": async_saves}}}
+            "kv_connector_extra_config": {"config_file": yml, "kvtier.connector": {"async_saves": async_saves}}}
 
 
-def start(work: Path, name: str, args: argparse.Namespace, model: Path, ktc_: dict | None) -> subprocess.Popen:
-    script = work / "engine.py"
-    script.write_text(ENGINE_SCRIPT)
-    spec = {"model": str(model), "ktc": ktc_, "rounds": args.rounds, "prompts": args.prompts,
-            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "seed": args.seed}
-    (work / f"{name}.args.json").write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", LMCACHE_TRACK_USAGE="false",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    return subprocess.Popen([sys.executable, str(script), str(work / f"{name}.args.json")], cwd=work, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(work / f"{name}.log", "w"),
-                            text=True)
-
-
-def read_line(name: str, p: subprocess.Popen, work: Path) -> str:
-    """The engine's next protocol line ("ready" or a round's JSON), skipping anything else it printed."""
-    while True:
-        line = p.stdout.readline()
-        if not line:
-            raise SystemExit(f"{name} stopped:\n{(work / f'{name}.log').read_text()[-4000:]}")
-        if line.startswith("ready") or line.startswith("{"):
-            return line
+def start(work: Path, name: str, args: argparse.Namespace, model: str, ktc_: dict | None) -> EngineProcess:
+    return EngineProcess(work, name, model, env={"VLLM_CPU_KVCACHE_SPACE": "2"}, watchdog_s=None, llm={
+        "max_model_len": 2048, "max_num_seqs": args.prompts, "kv_transfer_config": ktc_})
 
 
 def main() -> None:
@@ -118,31 +56,30 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvtier-async-saves-") as tmp:
         work = Path(tmp)
-        model = work / "model"
-        subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True)
-        procs = {"base": start(work, "base", args, model, None),
-                 "sync": start(work, "sync", args, model, ktc(work, False)),
-                 "async": start(work, "async", args, model, ktc(work, True))}
-        res: dict[str, list[dict]] = {k: [] for k in procs}
+        model = tiny_llama(work / "model", **MODEL)
+        procs: dict[str, EngineProcess] = {}
+        res: dict[str, list[dict]] = {k: [] for k in ("base", "sync", "async")}
         try:
-            for k, p in procs.items():
-                read_line(k, p, work)
+            procs["base"] = start(work, "base", args, model, None)
+            procs["sync"] = start(work, "sync", args, model, ktc(work, False))
+            procs["async"] = start(work, "async", args, model, ktc(work, True))
+            for p in procs.values():
+                p.ready()
+            rngs = {k: random.Random(args.seed) for k in procs}  # every engine gets the same new prompts
             names = list(procs)
-            for r in range(args.rounds + 1):
+            for r in range(args.rounds + 1):  # round 0 warms up
                 for k in names[r % 3:] + names[:r % 3]:  # each engine goes first in every third round
-                    p = procs[k]
-                    p.stdin.write("go\n")
-                    p.stdin.flush()
-                    rec = json.loads(read_line(k, p, work))
+                    prompts = [[rngs[k].randrange(1, 1000) for _ in range(args.prompt_tokens)]
+                               for _ in range(args.prompts)]
+                    # the round's queued saves and SSD writes land before the next engine's round
+                    out = procs[k].generate(prompts, args.max_tokens, flush=True)
+                    rec = {"seconds": out["seconds"], "drained_seconds": out.get("drained_seconds", out["seconds"]),
+                           "output_tokens": sum(len(o["tokens"]) for o in out["outputs"])}
                     if r:
                         res[k].append(rec)
-            for p in procs.values():
-                p.stdin.close()
-                p.wait(timeout=120)
         finally:
             for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
+                p.close(timeout=120)
     med = {k: {"tok_s": statistics.median(r["output_tokens"] / r["seconds"] for r in v),
                "round_s": statistics.median(r["seconds"] for r in v),
                "drained_s": statistics.median(r["drained_seconds"] for r in v)} for k, v in res.items()}

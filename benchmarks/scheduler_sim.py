@@ -14,7 +14,10 @@ shared-prefix workload, and the per-step decision cost.
    counts equal.
 2. Shared-prefix workload (`kvtier.tools.workloads`, seeded; task rate chosen so that `fcfs` keeps the GPU 85%
    busy, the 1 s fan-out window unscaled): delay-hit avoidance must cut recomputed tokens by >= 30% against the
-   same dual-queue scheduler without it.
+   same dual-queue scheduler without it, on every reported seed (also reported: `+delay-hit+own-loads`, which
+   also waits for a request's own issued read at an idle GPU instead of recomputing it, and `+eager-replan`, the
+   idle-GPU re-plan's previous rule that ignores the GPU's load) (`--shared-prefix-seeds`, default 1,2,3; seed 0
+   is the generator's tuning seed, on which its parameters and the re-plan's rule were set, and is not reported).
 3. Decision cost: one scheduling step of `DualQueuePolicy` with 1,000 waiting requests (host-ready, SSD-preparing,
    loading, delay-hit-deferred and oversized ones), both ready orders: `order()` of the whole queue, the vLLM
    hook's step (every waiting request's hint refreshed with `update`, then `order()`), and the simulator's path (`pick` + `dispatched` + a new arrival's hint derivation with its load plan +
@@ -36,6 +39,7 @@ from pathlib import Path
 
 from kvtier.scheduler_hooks.dual_queue_policy import (
     KVTIER_SCHEDULER_NAMES,
+    OWN_LOADS_NAMES,
     DualQueueConfig,
     DualQueuePolicy,
     FCFSPolicy,
@@ -67,6 +71,9 @@ TARGET_QUEUE_RATIO = 0.6
 TARGET_TTFT_RATIO = 1.0
 TARGET_DELAY_HIT_CUT = 0.30
 TARGET_STEP_MS = 0.62
+#: the idle-GPU re-plan's previous rule (recompute whenever that is sooner for the request, whatever the load)
+EAGER_NAMES = ("dual-queue+eager-replan", "dual-queue+delay-hit+eager-replan", "dual-queue+hrrn+eager-replan",
+               "dual-queue+hrrn+delay-hit+eager-replan")
 
 
 def policy_config(multiple: float, weight: float) -> DualQueueConfig:
@@ -139,7 +146,7 @@ def tune(reqs, base: SimConfig, loads: list[float]) -> dict:
 # --- shared-prefix workload ----------------------------------------------------------------------------------------
 
 
-def shared_prefix(base: SimConfig, load: float, requests: int, tmp: Path) -> dict:
+def shared_prefix(base: SimConfig, load: float, requests: int, tmp: Path, seed: int = 0) -> dict:
     from kvtier.tools.workloads import SharedPrefixSpec, generate_shared_prefix, shared_prefix_stats
 
     def write(spec: SharedPrefixSpec):
@@ -147,7 +154,7 @@ def shared_prefix(base: SimConfig, load: float, requests: int, tmp: Path) -> dic
         tmp.write_text("".join(json.dumps(o) + "\n" for o in lines))
         return load_trace(tmp), lines
 
-    spec = SharedPrefixSpec(requests=requests)
+    spec = SharedPrefixSpec(requests=requests, seed=seed)
     reqs, _ = write(spec)
     scale, _ = calibrate_time_scale(reqs, base, load=load)
     spec = replace(spec, task_rate=spec.task_rate / scale)  # the same load by arrival rate: windows stay 1 s
@@ -155,16 +162,17 @@ def shared_prefix(base: SimConfig, load: float, requests: int, tmp: Path) -> dic
     _, work = calibrate_time_scale(reqs, base, load=load, iterations=1)
     stats = shared_prefix_stats(lines)
     span = reqs[-1].arrival - reqs[0].arrival
-    print(f"\n== shared-prefix workload: {len(reqs)} requests, task rate {spec.task_rate:.2f}/s, "
+    print(f"\n== shared-prefix workload, seed {seed}: {len(reqs)} requests, task rate {spec.task_rate:.2f}/s, "
           f"{stats['share_fraction']:.1%} share >= 6K prefix tokens with another request within 1 s; "
           f"FCFS load {work / span:.2f}")
     runs = {s: simulate(reqs, replace(base, scheduler=s, time_scale=1.0)) for s in
-            ("fcfs+prefetch", "recompute") + KVTIER_SCHEDULER_NAMES}
+            ("fcfs+prefetch", "recompute") + KVTIER_SCHEDULER_NAMES + OWN_LOADS_NAMES + EAGER_NAMES}
     print_table(list(runs.values()))
     out = {"spec": {k: getattr(spec, k) for k in spec.__dataclass_fields__}, "stats": stats,
            "runs": {k: v.to_json() for k, v in runs.items()}, "checks": {}}
-    for plain in ("dual-queue", "dual-queue+hrrn"):
-        dh = plain + "+delay-hit"
+    for plain, dh in (("dual-queue", "dual-queue+delay-hit"), ("dual-queue+hrrn", "dual-queue+hrrn+delay-hit"),
+                      ("dual-queue", "dual-queue+delay-hit+own-loads"),
+                      ("dual-queue+hrrn", "dual-queue+hrrn+delay-hit+own-loads")):
         a, b = runs[plain].recomputed_tokens, runs[dh].recomputed_tokens
         cut = 1 - b / a if a else 0.0
         ia, ib = runs[plain].recomputed["inflight"], runs[dh].recomputed["inflight"]
@@ -173,6 +181,13 @@ def shared_prefix(base: SimConfig, load: float, requests: int, tmp: Path) -> dic
               f"{runs[plain].mean_queue_s:.2f} s, {runs[dh].policy_stats.get('deferred_delay_hit', 0)} deferrals")
         out["checks"][f"{dh} cuts recomputed tokens by >= {TARGET_DELAY_HIT_CUT:.0%} vs {plain}"] = \
             cut >= TARGET_DELAY_HIT_CUT
+    for plain in ("dual-queue", "dual-queue+hrrn"):  # the idle-GPU re-plan's old rule, for reference (no check)
+        dh = plain + "+delay-hit"
+        a, b = runs[plain + "+eager-replan"].recomputed_tokens, runs[dh + "+eager-replan"].recomputed_tokens
+        print(f"  with +eager-replan (the re-plan ignores the load): {dh}: {b / 1e6:.3f}M vs {a / 1e6:.3f}M "
+              f"({1 - b / a if a else 0:.0%} fewer), mean queue {runs[dh + '+eager-replan'].mean_queue_s:.2f} vs "
+              f"{runs[plain + '+eager-replan'].mean_queue_s:.2f} s; default vs eager re-plan with delay-hit: "
+              f"mean queue {runs[dh].mean_queue_s:.2f} vs {runs[dh + '+eager-replan'].mean_queue_s:.2f} s")
     return out
 
 
@@ -272,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune", action="store_true", help="tune TUNED's knobs on the first 15 minutes first")
     ap.add_argument("--skip-shared-prefix", action="store_true")
     ap.add_argument("--shared-prefix-requests", type=int, default=2000)
+    ap.add_argument("--shared-prefix-seeds", default="1,2,3",
+                    help="generator seeds reported (seed 0 tuned the generator: not reported by default)")
     ap.add_argument("--json", dest="json_out")
     ap.add_argument("--plot", help="PNG of the first load's runs")
     ap.add_argument("--waiting", type=int, default=1000, help="queue size for the decision-cost measurement")
@@ -294,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n== held out: the second 15 minutes of {args.trace} ({len(held)} requests, timestamp >= "
           f"{SPLIT_S * 1000:.0f} ms; cold tiers). Knobs tuned on the first 15 minutes{' (this run)' if args.tune else ''}"
           f": {tuned}")
-    schedulers = list(BASELINES) + list(KVTIER_SCHEDULER_NAMES) + [f"{best}+always-load"]
+    schedulers = list(BASELINES) + list(KVTIER_SCHEDULER_NAMES) + [f"{best}+always-load", f"{best}+eager-replan"]
     for li, load in enumerate(loads):
         t0 = time.perf_counter()
         runs, scale = run_load(held, base, load, schedulers, pol)
@@ -310,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{k.policy_stats.get('replan_recompute_ssd', 0)} at an idle GPU, "
               f"{k.policy_stats.get('plan_prefetch', 0)} prefetched; vs {best}+always-load: mean queue "
               f"{k.mean_queue_s:.2f} vs {runs[best + '+always-load'].mean_queue_s:.2f} s, P99 TTFT "
-              f"{k.p99_ttft_s:.2f} vs {runs[best + '+always-load'].p99_ttft_s:.2f} s")
+              f"{k.p99_ttft_s:.2f} vs {runs[best + '+always-load'].p99_ttft_s:.2f} s; vs {best}+eager-replan "
+              f"(re-plan ignores the load): mean queue {k.mean_queue_s:.3f} vs "
+              f"{runs[best + '+eager-replan'].mean_queue_s:.3f} s, "
+              f"{runs[best + '+eager-replan'].policy_stats.get('replan_recompute_ssd', 0)} idle re-plans")
         c = checks(runs, best)
         for name, v in c.items():
             print(f"  [{'PASS' if v else 'FAIL'}] {name}")
@@ -322,12 +342,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  wrote {args.plot}")
 
     if not args.skip_shared_prefix:
-        with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as d:
-            sp = shared_prefix(base, 0.85, args.shared_prefix_requests, Path(d) / "shared-prefix.jsonl")
-        for name, v in sp["checks"].items():
-            print(f"  [{'PASS' if v else 'FAIL'}] {name}")
-            ok &= v
-        report["shared_prefix"] = sp
+        report["shared_prefix"] = {}
+        for seed in [int(x) for x in args.shared_prefix_seeds.split(",") if x.strip()]:
+            with tempfile.TemporaryDirectory(prefix="kvtier-sim-") as d:
+                sp = shared_prefix(base, 0.85, args.shared_prefix_requests, Path(d) / "shared-prefix.jsonl", seed)
+            for name, v in sp["checks"].items():
+                print(f"  [{'PASS' if v else 'FAIL'}] seed {seed}: {name}")
+                ok &= v
+            report["shared_prefix"][str(seed)] = sp
 
     print(f"\n== decision cost per scheduling step, {args.waiting} waiting requests (median of 7 batches)")
     over = {

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 #: keys of `kv_connector_extra_config` that belong to other kvtier components (not SSD-tier keys)
 CONNECTOR_KEY = "kvtier.connector"
-FOREIGN_KEYS = ("kvtier.scheduler", CONNECTOR_KEY, "kvtier.shared")
+SCHEDULER_KEY = "kvtier.scheduler"
+FOREIGN_KEYS = (SCHEDULER_KEY, CONNECTOR_KEY, "kvtier.shared")
 KV_LAYOUTS = ("auto", "split_token_dim", "split_last_dim", "split_head_dim", "kv_first", "block_first",
               "block_first_hnd")
 
@@ -58,8 +59,8 @@ class ConnectorOptions:
     async_saves: bool = True
     #: tokens that may load inside one engine step, before its forward pass (one request's load fits whole or
     #: not at all); the other loads run off the step (the request waits in WAITING_FOR_REMOTE_KVS while the others
-    #: keep running). 0: every load off the step (README: measured)
-    sync_load_budget_tokens: int = 0
+    #: keep running). 0: every load off the step. Default 1024: measured (benchmarks/host_loads.py, README)
+    sync_load_budget_tokens: int = 1024
     #: testing only: asynchronous loads / saves of requests whose id starts with `debug_hold_request_prefix` (one
     #: prefix or a list) wait this many engine steps on the transfer thread before they run (a held-back tier
     #: read, a slow copy)
@@ -198,7 +199,23 @@ def load_connector_config(extra: Mapping[str, Any] | None, block_size: int, *, p
                        "with every process, so a restarted engine finds none of the SSD tier's chunks; use "
                        "sha256_cbor")
     options = ConnectorOptions.parse(extra.get(CONNECTOR_KEY))
+    check_scheduler_keys(extra.get(SCHEDULER_KEY))
     return ConnectorConfig(path, lmc, kv, options, chunk, kv.page_tokens, extra, _shared_options(path, lmc, ec, extra))
+
+
+def check_scheduler_keys(raw: Any) -> None:
+    """Validate `kvtier.scheduler` here too, not only where the scheduler hook reads it: the connector's hints
+    use the same load plan, and an engine started without `--scheduler-cls` would otherwise ignore a typo."""
+    if raw is None:
+        return
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{SCHEDULER_KEY} must be an object, got {raw!r}")
+    from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig
+
+    try:
+        DualQueueConfig.from_keys(dict(raw), prefix=SCHEDULER_KEY)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _shared_options(path: str, lmc: Any, ec: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:

@@ -45,6 +45,9 @@ PREFETCH_WAIT = histogram("kvtier_connector_prefetch_wait_seconds",
                           "From a request's arrival to its SSD data being in host memory", buckets=_LAT)
 PREFETCH_SECONDS = histogram("kvtier_connector_prefetch_seconds", "One SSD -> host prefetch (worker)", buckets=_LAT)
 PREFETCH_BYTES = counter("kvtier_connector_prefetch_bytes_total", "Bytes prefetched from SSD into host memory")
+PREFETCH_SHARED_CHUNKS = counter("kvtier_connector_prefetch_shared_chunks_total",
+                                 "Chunks a prefetch took from another prefetch's SSD read in flight instead of "
+                                 "reading them again")
 LOAD_SECONDS = histogram("kvtier_connector_load_seconds", "Host -> KV cache load of one step", buckets=_LAT)
 SAVE_SECONDS = histogram("kvtier_connector_save_seconds", "KV cache -> host save of one step", buckets=_LAT)
 LOAD_BYTES = counter("kvtier_connector_load_bytes_total", "Bytes loaded into vLLM's KV cache")
@@ -68,7 +71,8 @@ FEEDBACK = counter("kvtier_connector_answer_feedback_total",
                    "Finished requests whose answer length reached the eviction policy")
 
 _SUM_KEYS = ("loads", "loaded_tokens", "load_seconds", "saves", "saved_tokens", "save_seconds", "load_error_blocks",
-             "prefetches", "prefetched_tokens", "prefetch_seconds", "feedback", "async_loads", "preemption_flushes")
+             "prefetches", "prefetched_tokens", "prefetch_seconds", "feedback", "async_loads", "preemption_flushes",
+             "prefetch_shared_chunks")
 
 
 @dataclass

@@ -138,6 +138,11 @@ class SchedulerSide:
         self._save_jobs: dict[int, list] = {}
         self._job_seq = 0
         self._async_loads: list[LoadSpec] = []  # allocated this step, go out with the next metadata
+        #: the GPU's busy seconds (time from a step that scheduled tokens to the next step), for the policy's
+        #: idle-GPU re-plan (`DualQueuePolicy.observe_gpu_busy`)
+        self._busy_s = 0.0
+        self._step_t: float | None = None
+        self._step_busy = False
         self._held_new: list[str] = []  # delay-freed since the last metadata
         self._held: set[str] = set()  # delay-freed, not reported in finished_sending yet
         self._sync_budget_used = 0  # tokens answered "load inside the step" since the last metadata
@@ -475,6 +480,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: Any) -> KVTierConnectorMetadata:
         self.pump()
+        self._observe_busy(bool(so.num_scheduled_tokens))
         md = KVTierConnectorMetadata()
         # steps that run while an asynchronous load issued by an earlier step is still in flight (this step's own
         # new loads start after its forward pass), and the tokens they compute for other requests
@@ -565,6 +571,17 @@ class SchedulerSide:
         return bool(self._held)
 
     # ------------------------------------------------------------------ load or recompute at an idle GPU
+    def _observe_busy(self, busy: bool) -> None:
+        """One scheduler step: the time since the previous one was busy if that one scheduled tokens; the total
+        goes to the policy (its recent busy share is the load the idle-GPU re-plan charges a recompute with)."""
+        now = time.monotonic()
+        if self._step_t is not None and self._step_busy:
+            self._busy_s += now - self._step_t
+        self._step_t, self._step_busy = now, busy
+        observe = getattr(self.policy, "observe_gpu_busy", None)
+        if observe is not None:
+            observe(now, self._busy_s)
+
     def _read_s(self, hint: TierHint) -> float:
         """Seconds until `hint`'s SSD part is in host memory, at best: its read's remainder if issued, else the
         reads in flight and its own."""

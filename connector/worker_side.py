@@ -6,7 +6,9 @@
 - Lookups walk a request's chunk keys: host tier (LMCache's `LocalCPUBackend`), then the SSD tier, then the shared
   tier when the LMCache config names a remote store (`connector/shared_side.py`: local tiers always first).
 - Prefetches read SSD-only and shared-only chunks into the host tier on a background thread (never inside a
-  forward pass) and pin them for the request until its load.
+  forward pass) and pin them for the request until its load. A chunk another prefetch is reading from the SSD
+  is not read again: the second prefetch waits for that read (after issuing its own) and pins the chunk when it
+  lands (reading it itself only if that read failed); counted in kvtier_connector_prefetch_shared_chunks_total.
 - `start_load_kv` retrieves from the host tier through the page-first connector: small loads inside the step,
   before the forward pass; larger ones (`LoadSpec.is_async`) on the transfer thread (`connector/transfers.py`)
   while the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, reported through `get_finished`. Any token that
@@ -102,6 +104,9 @@ class WorkerSide:
         self._retrieve_pins = lmcache_retrieve_pins.for_installed()
         self._prefetch_done: dict[str, PrefetchResult] = {}
         self._prefetching: set[str] = set()
+        #: chunk key -> set when the prefetch reading it from SSD has put it into the host tier (or failed): a
+        #: second prefetch of the same chunk waits for that read instead of issuing its own
+        self._reading: dict[Any, threading.Event] = {}
         self._cancelled: set[str] = set()
         self._prefetch_pool = ThreadPoolExecutor(max_workers=cfg.options.prefetch_concurrency,
                                                  thread_name_prefix="kvtier-prefetch")
@@ -341,37 +346,51 @@ class WorkerSide:
         t0 = time.monotonic()
         if self.cfg.options.debug_prefetch_delay_s:
             time.sleep(self.cfg.options.debug_prefetch_delay_s)
+        own: dict[Any, threading.Event] = {}  # chunks this prefetch reads for every prefetch that needs them
+        acc = [0, 0, True]  # bytes and tokens put into the host tier, whether every chunk arrived
         try:
-            todo, chunks, missing = [], self._chunks(tokens), None
+            todo, waits, chunks, missing = [], [], self._chunks(tokens), None
             with self._lock:
                 for i, (start, end, key) in enumerate(chunks):
                     # Pin what is already in host memory: the chunks this prefetch brings in must not evict it.
                     if self._pin(rid, key):
                         continue
+                    landing = self._reading.get(key)
+                    if landing is not None:  # another prefetch is reading it: wait for that read, not a second
+                        waits.append((start, end, key, landing))
+                        continue
                     if not self.ssd.tier.contains(key.to_string()):
                         missing = i
                         break
                     todo.append((start, end, key))
+                    self._reading[key] = own[key] = threading.Event()
             objs = self.ssd.read([k for _, _, k in todo], wait_for_memory=False) if todo else []
+            if waits:
+                M.PREFETCH_SHARED_CHUNKS.inc(len(waits))
+                self._stat(prefetch_shared_chunks=len(waits))
+                # our own reads first (above), so two prefetches waiting for each other's chunks cannot deadlock
+                self._land(rid, todo, objs, acc)
+                with self._lock:
+                    self._signal(own)
+                todo, objs = [], []
+                deadline = t0 + self.cfg.options.prefetch_timeout_s
+                again = []
+                for start, end, key, landing in waits:
+                    landing.wait(max(deadline - time.monotonic(), 0.0))
+                    with self._lock:
+                        if not self._pin(rid, key) and self.ssd.tier.contains(key.to_string()):
+                            again.append((start, end, key))  # that read failed or was evicted: read it here
+                if again:
+                    todo, objs = again, self.ssd.read([k for _, _, k in again], wait_for_memory=False)
             if missing is not None and self.shared is not None and all(o is not None for o in objs):
                 rest = chunks[missing:]
                 remote = rest[:self.shared.prefix(rid, [k for _, _, k in rest])]
                 if remote:  # the chunks only the shared tier holds, after the local ones
                     todo += remote
                     objs += self.shared.read([k for _, _, k in remote])
-            nbytes, ntok, ok = 0, 0, True
+            self._land(rid, todo, objs, acc)
             with self._lock:
-                for (start, end, key), obj in zip(todo, objs):
-                    if obj is None:
-                        ok = False
-                        break
-                    self.host.submit_put_task(key, obj)
-                    self._pin(rid, key)
-                    nbytes += obj.get_size()
-                    ntok += end - start
-                for obj in objs:
-                    if obj is not None:
-                        obj.ref_count_down()
+                self._signal(own)
                 host_end = 0
                 for _, end, key in self._chunks(tokens):
                     if not self._pin(rid, key):
@@ -379,6 +398,7 @@ class WorkerSide:
                     host_end = end
             dt = time.monotonic() - t0
             M.PREFETCH_SECONDS.observe(dt)
+            nbytes, ntok, ok = acc
             M.PREFETCH_BYTES.inc(nbytes)
             self._stat(prefetches=1, prefetched_tokens=ntok, prefetch_seconds=dt)
             res = PrefetchResult(ok, host_end, nbytes, dt, "" if ok else "a chunk could not be read (SSD or shared "
@@ -387,12 +407,38 @@ class WorkerSide:
             logger.exception("kvtier: prefetch of %s failed", rid)
             res = PrefetchResult(False, 0, 0, time.monotonic() - t0, f"{type(e).__name__}: {e}")
         with self._lock:
+            self._signal(own)
             self._prefetching.discard(rid)
             if rid in self._cancelled:
                 self._cancelled.discard(rid)
                 self.release(rid)
             else:
                 self._prefetch_done[rid] = res
+
+    def _land(self, rid: str, todo: list[tuple[int, int, Any]], objs: list[Any], acc: list[Any]) -> None:
+        """Put a prefetch's read chunks into the host tier pinned for `rid`, in order up to the first that did not
+        arrive (`acc`: bytes, tokens, all arrived)."""
+        with self._lock:
+            for (start, end, key), obj in zip(todo, objs):
+                if obj is None:
+                    acc[2] = False
+                    break
+                self.host.submit_put_task(key, obj)
+                self._pin(rid, key)
+                acc[0] += obj.get_size()
+                acc[1] += end - start
+            for obj in objs:
+                if obj is not None:
+                    obj.ref_count_down()
+
+    def _signal(self, own: dict[Any, threading.Event]) -> None:
+        """(under self._lock) A prefetch's own reads ended: prefetches waiting for those chunks go on (and read a
+        chunk themselves if it did not arrive)."""
+        for key, landing in own.items():
+            if self._reading.get(key) is landing:
+                del self._reading[key]
+            landing.set()
+        own.clear()
 
     # ------------------------------------------------------------------ per step
     def bind(self, md: KVTierConnectorMetadata) -> None:

@@ -17,7 +17,16 @@ Queues of a `DualQueuePolicy`:
   `next_prefetch` hands the next read to the prefetcher and marks the request `LOADING`.
 - **delay-hit avoidance** (`delay_hit=True`): a ready request whose hint reports at least
   `delay_hit_threshold_tokens` prefix tokens being computed or loaded by another in-flight request
-  (`TierHint.inflight_tokens`) is passed over until a newer hint reports them landed, instead of recomputing them.
+  (`TierHint.inflight_tokens`) is passed over until a newer hint reports them landed, instead of recomputing them;
+  and the idle-GPU re-plan (`replan_idle`) does not recompute such a request's SSD part (Strata: a prefix being
+  computed *or loaded* by another request is waited for). `delay_hit_own_loads=True` extends that to a request
+  whose *own* SSD read is issued: it waits for the read at an idle GPU (fewer recomputed tokens; gives up the load
+  plan's "never slower than recomputing at an idle GPU" for that request).
+- **idle-GPU re-plan under load** (`idle_replan_counts_arrivals=True`, the default): `replan_idle` charges a
+  recompute with the work expected to arrive while the read is in flight, at the GPU's recent busy share
+  (`observe_gpu_busy`, `GpuLoad`): it recomputes only where `fallback_gpu_s + load * read_s < read_s + gpu_s`
+  (`LoadPlanner.recompute_now`). At an unloaded engine that is the plain rule (an earlier first token than
+  waiting for the read); under load the GPU time that arrivals would have used in the read's idle window counts.
 - **load or recompute**: `planner` (a `LoadPlanner` built from `load_plan`) is the engine's one decision object;
   the connector and the simulator derive hints with it (`hint_derivation.derive_tier_hint`), so a request whose
   SSD part is cheaper to recompute arrives READY instead of PREPARING. `gpu_backlog_s()` / `ssd_backlog_bytes()`
@@ -37,6 +46,8 @@ Call protocol (one thread; the caller serialises):
     pick(now, free_gpu)           scheduler: the next request to admit, or None (not removed)
     order(now, free_gpu)          scheduler: every waiting request in the order to try (for vLLM's waiting queue)
     dispatched(request_id, now)   it was admitted: it leaves the queues; its wait feeds the mean
+    observe_gpu_busy(now, busy_s) the engine side: the GPU's cumulative busy seconds (for `replan_idle`)
+    replan_idle(read_s, free_gpu) the GPU is about to idle: maybe recompute a waiting request's SSD part
     remove(request_id)            aborted / finished elsewhere
 
 `FCFSPolicy` is the baseline with the same interface (vLLM's default order; head-of-line blocking).
@@ -51,6 +62,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
+from kvtier.scheduler_hooks.gpu_load import GpuLoad
 from kvtier.scheduler_hooks.hrrn import GiB, DiskHRRNQueue
 from kvtier.scheduler_hooks.load_plan import LOAD_PLAN_KEYS, LoadPlanConfig, LoadPlanner
 from kvtier.scheduler_hooks.ratio_index import RatioIndex
@@ -62,6 +74,7 @@ __all__ = [
     "BASELINE_NAMES",
     "DUAL_QUEUE_MODIFIERS",
     "KVTIER_SCHEDULER_NAMES",
+    "OWN_LOADS_NAMES",
     "READY_ORDERS",
     "SCHEDULER_KEYS",
     "SCHEDULER_NAMES",
@@ -75,8 +88,8 @@ __all__ = [
 
 READY_ORDERS = ("arrival", "hrrn")
 #: keys of `kv_connector_extra_config["kvtier.scheduler"]` (README, "Using kvtier with vLLM")
-SCHEDULER_KEYS = ("delay_hit", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s",
-                  "mean_window", "ready_order") + LOAD_PLAN_KEYS
+SCHEDULER_KEYS = ("delay_hit", "delay_hit_own_loads", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s",
+                  "mean_window", "ready_order", "idle_replan_counts_arrivals") + LOAD_PLAN_KEYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +97,11 @@ class DualQueueConfig:
     """Knobs of `DualQueuePolicy` (defaults: the values used in production and by `kvtier simulate`)."""
 
     delay_hit: bool = True
+    #: with `delay_hit`: the idle-GPU re-plan does not recompute an SSD part whose own read is already issued
+    delay_hit_own_loads: bool = False
+    #: the idle-GPU re-plan charges a recompute with the work expected to arrive while the read is in flight
+    #: (`ArrivalLoad`, `LoadPlanner.recompute_now`); False: recompute whenever that is sooner for the request
+    idle_replan_counts_arrivals: bool = True
     delay_hit_threshold_tokens: int = 100
     starvation_multiple: float = 4.0
     starvation_floor_s: float = 2.0
@@ -107,10 +125,11 @@ class DualQueueConfig:
         if unknown:
             raise ValueError(f"{prefix}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SCHEDULER_KEYS)}")
         out: dict = {}
-        if "delay_hit" in keys:
-            if not isinstance(keys["delay_hit"], bool):
-                raise ValueError(f"{prefix}.delay_hit must be true or false, got {keys['delay_hit']!r}")
-            out["delay_hit"] = keys["delay_hit"]
+        for key in ("delay_hit", "delay_hit_own_loads", "idle_replan_counts_arrivals"):
+            if key in keys:
+                if not isinstance(keys[key], bool):
+                    raise ValueError(f"{prefix}.{key} must be true or false, got {keys[key]!r}")
+                out[key] = keys[key]
         for key in ("delay_hit_threshold_tokens", "mean_window"):
             if key in keys:
                 v = keys[key]
@@ -232,6 +251,8 @@ class DualQueuePolicy:
         self._ready_work = 0.0  # sum of the ready requests' service estimates
         self._work_buckets = [0.0] * _BUCKETS  # the same, by service time (log buckets), for HRRN's wait estimate
         self._prep_bytes = 0  # SSD bytes of preparing + loading requests
+        #: the GPU's recent busy share (`observe_gpu_busy`): the idle-GPU re-plan's rate of work arriving meanwhile
+        self.gpu_load = GpuLoad()
         #: counters for reports
         self.stats = {"skipped_oversized": 0, "deferred_delay_hit": 0, "starvation_overrides": 0, "promoted": 0}
 
@@ -293,25 +314,42 @@ class DualQueuePolicy:
         """The GPU is about to idle with nothing admissible: recompute the SSD part of the preparing or loading
         request that gains most by it (`LoadPlanner.recompute_now`: an earlier first token than waiting for its
         read, which lands in `read_s(hint)` seconds at best; an issued read is left to finish into host memory).
+        With delay-hit avoidance a request whose hint counts `inflight_tokens` (another request's read or prefill
+        is bringing that part of its prefix) is not recomputed: it waits for them, as in the ready queue; with
+        `delay_hit_own_loads` neither is one whose own read is issued. With `idle_replan_counts_arrivals` the gain
+        is net of the work expected to arrive while the read is in flight (`arriving_load`).
         Returns that request, now READY, or None."""
         best: _Waiting | None = None
         best_gain, best_read = 0.0, 0.0
+        rho = self.arriving_load()
         for rid in [e.request_id for e in self._preparing] + list(self._loading):
             w = self._reqs[rid]
             plan = w.hint.plan
             if plan is None or (free_gpu is not None and w.gpu_need > free_gpu):
                 continue
+            if self._deferred(w) or (w.where == "loading" and self.config.delay_hit and
+                                     self.config.delay_hit_own_loads):
+                continue  # delay hit: its prefix is being loaded or computed by another request (or its own read)
             rs = read_s(w.hint)
-            gain = rs + plan.gpu_s - plan.fallback_gpu_s
+            gain = self.planner.idle_gain_s(plan, rs, rho)
             if gain > best_gain:
                 best, best_gain, best_read = w, gain, rs
         if best is None:
             return None
-        plan = self.planner.recompute_now(best.hint.plan, best_read)
+        plan = self.planner.recompute_now(best.hint.plan, best_read, rho)
         if plan is None:
             return None
         self.update(replace(best.hint, state=TierState.READY if plan.use_tokens > 0 else TierState.MISS, plan=plan))
         return best.hint.request_id
+
+    def observe_gpu_busy(self, now: float, busy_s: float) -> None:
+        """The engine side's report: at `now` the GPU has been busy `busy_s` seconds in total (`GpuLoad`)."""
+        self.gpu_load.observe(now, busy_s)
+
+    def arriving_load(self) -> float:
+        """GPU seconds per second the idle-GPU re-plan expects to arrive while a read is in flight: the GPU's
+        recent busy share (0 with `idle_replan_counts_arrivals` off, or before any `observe_gpu_busy`)."""
+        return self.gpu_load.load if self.config.idle_replan_counts_arrivals else 0.0
 
     def ssd_backlog_bytes(self, exclude: str | None = None) -> int:
         """SSD bytes that preparing and loading requests but `exclude` still read."""
@@ -670,10 +708,13 @@ class FCFSPolicy:
 
 #: fair baselines: vLLM's order with a synchronous SSD tier, with eager SSD prefetch, and without host/SSD tiers
 BASELINE_NAMES = ("fcfs", "fcfs+prefetch", "recompute")
-#: kvtier's schedulers (every dual-queue name may add the modifiers `+hrrn`, `+delay-hit`, `+always-load`)
+#: kvtier's schedulers (every dual-queue name may add the modifiers `+hrrn`, `+delay-hit`, `+always-load`,
+#: `+eager-replan`)
 KVTIER_SCHEDULER_NAMES = ("dual-queue", "dual-queue+delay-hit", "dual-queue+hrrn", "dual-queue+hrrn+delay-hit")
+#: delay-hit variants that also wait for their own issued reads (`delay_hit_own_loads`)
+OWN_LOADS_NAMES = ("dual-queue+delay-hit+own-loads", "dual-queue+hrrn+delay-hit+own-loads")
 SCHEDULER_NAMES = BASELINE_NAMES + KVTIER_SCHEDULER_NAMES
-DUAL_QUEUE_MODIFIERS = ("hrrn", "delay-hit", "always-load")
+DUAL_QUEUE_MODIFIERS = ("hrrn", "delay-hit", "own-loads", "always-load", "eager-replan")
 
 
 def make_scheduling_policy(name: str, config: DualQueueConfig | None = None) -> SchedulingPolicy:
@@ -684,7 +725,9 @@ def make_scheduling_policy(name: str, config: DualQueueConfig | None = None) -> 
     - `fcfs+prefetch`: the same order, SSD reads issued eagerly in arrival order.
     - `dual-queue[+hrrn][+delay-hit][+always-load]`: kvtier's `DualQueuePolicy` with `config`'s knobs, except that
       the name decides the ready order (`+hrrn`, else `arrival`), delay-hit avoidance (`+delay-hit`, else off) and
-      the load plan (`+always-load` turns load-or-recompute off: everything cached is loaded).
+      the load plan (`+always-load` turns load-or-recompute off: everything cached is loaded); `+own-loads`
+      (with `+delay-hit`) sets `delay_hit_own_loads`; `+eager-replan` turns `idle_replan_counts_arrivals` off
+      (the idle-GPU re-plan recomputes whenever that is sooner for the request, whatever the load).
     """
     if name == "fcfs":
         return FCFSPolicy(prefetch=False)
@@ -700,8 +743,12 @@ def make_scheduling_policy(name: str, config: DualQueueConfig | None = None) -> 
         plan = cfg.load_plan
         if "always-load" in mods:
             plan = replace(plan, load_or_recompute=False)
-        cfg = replace(cfg, delay_hit="delay-hit" in mods, ready_order="hrrn" if "hrrn" in mods else "arrival",
-                      load_plan=plan)
+        if "own-loads" in mods and "delay-hit" not in mods:
+            raise ValueError(f"scheduler {name!r}: +own-loads needs +delay-hit")
+        cfg = replace(cfg, delay_hit="delay-hit" in mods, delay_hit_own_loads="own-loads" in mods,
+                      ready_order="hrrn" if "hrrn" in mods else "arrival", load_plan=plan)
+        if "eager-replan" in mods:
+            cfg = replace(cfg, idle_replan_counts_arrivals=False)
         p = DualQueuePolicy(cfg)
         p.name = name
         return p

@@ -25,8 +25,10 @@ The plan minimises `ttft(cut) + recompute_gpu_weight * gpu_seconds(cut)`: weight
 for the request itself; a positive weight also charges the GPU time a recompute takes from the requests queued
 behind it (the engine's other customers). Ties go to the larger cut (fewer GPU seconds). The default weight is
 large: a request then prefetches its SSD part, and `recompute_now` recomputes it instead when the GPU is about to
-idle while its read has not started (`DualQueuePolicy.replan_idle`): never slower than no cache at an idle GPU,
-and no GPU time taken from queued requests otherwise. That combination queued best on the first 15 minutes of the
+idle while its read has not landed (`DualQueuePolicy.replan_idle`): never slower than no cache at an idle GPU,
+and no GPU time taken from queued requests otherwise. Under load `recompute_now` also charges the work expected to
+arrive during the read (the GPU's busy share times the read's time), which would otherwise use the GPU's idle
+window: recompute iff `fallback_gpu_s + load * read_s < read_s + gpu_s`. That combination queued best on the first 15 minutes of the
 Mooncake conversation trace (`benchmarks/scheduler_sim.py --tune`); weight 0 recomputed ~10% of the SSD hits at
 arrival and queued ~5% longer.
 
@@ -336,13 +338,19 @@ class LoadPlanner:
         return plan
 
 
-    def recompute_now(self, plan: LoadPlan, read_s: float) -> LoadPlan | None:
-        """For a request still waiting for its SSD read to be issued while the GPU would otherwise idle: the plan
-        that recomputes its SSD part instead, if that gives an earlier first token than reading it (`read_s`:
-        seconds until its read would land, at best); else None. Never slower than no cache at an idle GPU."""
+    def recompute_now(self, plan: LoadPlan, read_s: float, arriving_load: float = 0.0) -> LoadPlan | None:
+        """For a request whose SSD read has not landed while the GPU would otherwise idle: the plan that recomputes
+        its SSD part instead, if that leaves less work on the GPU when the read would have landed; else None.
+
+        `read_s`: seconds until its read lands, at best. Waiting leaves the GPU idle for `read_s`, then runs the
+        request (`plan.gpu_s`); recomputing runs `plan.fallback_gpu_s` now, and work that arrives meanwhile
+        (`arriving_load` GPU seconds per second, `ArrivalLoad`) queues behind it instead of using the idle time.
+        Recompute iff `fallback_gpu_s + arriving_load * read_s < read_s + gpu_s`. With `arriving_load=0` (no
+        other work expected) that is "an earlier first token than reading it": never slower than no cache at an
+        idle GPU; under load it also keeps the GPU time the arrivals would have used."""
         if plan.ssd is not LoadAction.PREFETCH or not self.config.load_or_recompute:
             return None
-        if plan.fallback_gpu_s >= read_s + plan.gpu_s:
+        if self.idle_gain_s(plan, read_s, arriving_load) <= 0:
             return None
         self.stats["replan_recompute_ssd"] += 1
         M.DECISION["ssd", "recompute"].inc()
@@ -350,6 +358,13 @@ class LoadPlanner:
         return replace(plan, ssd=LoadAction.RECOMPUTE, host=plan.fallback_host, use_tokens=plan.fallback_use_tokens,
                        ttft_s=plan.fallback_gpu_s, gpu_s=plan.fallback_gpu_s, ready_s=0.0,
                        reason="the GPU is idle: recomputing the SSD part beats waiting for its read")
+
+    @staticmethod
+    def idle_gain_s(plan: LoadPlan, read_s: float, arriving_load: float = 0.0) -> float:
+        """GPU work (seconds) that recomputing `plan`'s SSD part at an idle GPU saves against waiting `read_s` for
+        its read, net of the work arriving meanwhile (`recompute_now`); > 0: recompute."""
+        rho = min(max(arriving_load, 0.0), 1.0)
+        return (1.0 - rho) * max(read_s, 0.0) + plan.gpu_s - plan.fallback_gpu_s
 
 
 def _reason(use: int, gpu: int, host_end: int, hit_end: int, ready: float, wait: float) -> str:

@@ -1,7 +1,9 @@
 """`kvtier check-config FILE`: load an LMCache config the way LMCache does and fail loudly on any kvtier problem.
 
-FILE is either an LMCache YAML (the in-process storage plugin) or the JSON of an `lmcache server --l2-adapter`
-spec (the multiprocess-mode L2 adapter, `configs/lmcache-mp-l2-kvtier.json`).
+FILE is an LMCache YAML (the in-process storage plugin), the JSON of an `lmcache server --l2-adapter` spec (the
+multiprocess-mode L2 adapter, `configs/lmcache-mp-l2-kvtier.json`), or a vLLM `--kv-transfer-config` JSON naming
+kvtier's connector (`configs/vllm-kv-transfer.json`: its `kv_connector_extra_config`, the LMCache YAML it names,
+`kvtier.connector` and `kvtier.scheduler` keys, checked as the connector checks them at start).
 
 LMCache only logs a storage plugin's constructor error and runs without it, so a typo silently disables the SSD
 tier. This command parses the file with LMCache's own loader, validates every `kvtier.*` key (or every
@@ -30,6 +32,8 @@ def check(path: str) -> str:
     with open(path) as f:
         head = f.read(4096).lstrip()
     if path.endswith(".json") or head.startswith("{"):
+        if '"kv_connector"' in head:
+            return check_vllm_json(path)
         return check_l2_adapter(path)
     from kvtier.storage_backends.lmcache_backend import load_lmcache_config
 
@@ -80,9 +84,8 @@ ADAPTER_MODULE = "kvtier.storage_backends.lmcache_mp_adapter"
 ADAPTER_CLASS = "KVTierL2Adapter"
 
 
-def check_l2_adapter(path: str) -> str:
-    """Validate an `--l2-adapter` JSON spec for kvtier's L2 adapter, parsed by LMCache's own argument parser."""
-    import argparse as _argparse
+def _json_object(path: str, what: str) -> dict:
+    """The JSON object in `path`; ConfigError if it is not valid JSON or not an object (`what` names it)."""
     import json
 
     try:
@@ -91,7 +94,16 @@ def check_l2_adapter(path: str) -> str:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: an --l2-adapter spec is a JSON object, got {type(spec).__name__}")
+        raise ConfigError(f"{path}: {what} is a JSON object, got {type(spec).__name__}")
+    return spec
+
+
+def check_l2_adapter(path: str) -> str:
+    """Validate an `--l2-adapter` JSON spec for kvtier's L2 adapter, parsed by LMCache's own argument parser."""
+    import argparse as _argparse
+    import json
+
+    spec = _json_object(path, "an --l2-adapter spec")
     from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 
     try:
@@ -131,6 +143,40 @@ def check_l2_adapter(path: str) -> str:
     return (f"OK: {path}: LMCache L2 adapter {ADAPTER_CLASS}, SSD tier at {directory} ({kv.ssd_capacity_gb:g} GiB, "
             f"{kv.io_threads} I/O threads, io_engine={kv.io_engine}, o_direct={kv.o_direct}, "
             f"durable_writes={kv.durable_writes}, eviction={kv.eviction_policy}){note}")
+
+
+CONNECTOR_NAME = "KVTierConnector"
+CONNECTOR_MODULE = "kvtier.connector"
+
+
+def check_vllm_json(path: str, block_size: int = 16) -> str:
+    """Validate a vLLM `--kv-transfer-config` JSON for kvtier's connector, as the connector does when vLLM builds
+    it (`block_size`: vLLM's default page size; the engine's real one is checked again at start)."""
+    spec = _json_object(path, "a --kv-transfer-config")
+    if spec.get("kv_connector") != CONNECTOR_NAME:
+        raise ConfigError(f"{path}: \"kv_connector\" must be {CONNECTOR_NAME!r}, got {spec.get('kv_connector')!r}")
+    if spec.get("kv_connector_module_path", CONNECTOR_MODULE) != CONNECTOR_MODULE:
+        raise ConfigError(f"{path}: \"kv_connector_module_path\" must be {CONNECTOR_MODULE!r}, got "
+                          f"{spec.get('kv_connector_module_path')!r}")
+    if spec.get("kv_role") != "kv_both":
+        raise ConfigError(f"{path}: \"kv_role\" must be \"kv_both\" (kvtier both saves and loads), got "
+                          f"{spec.get('kv_role')!r}")
+    from kvtier.connector.config import load_connector_config
+
+    cfg = load_connector_config(spec.get("kv_connector_extra_config"), block_size)
+    from kvtier.compat import guard
+
+    try:
+        versions = guard.check(guard.COMPONENT_CONNECTOR)
+    except guard.UnsupportedVersion as e:
+        raise ConfigError(str(e)) from None
+    policy = spec.get("kv_load_failure_policy")
+    note = "" if policy == "recompute" else (
+        f"; note: kv_load_failure_policy is {policy or 'unset (vLLM default: fail)'}: a KV block that fails to load "
+        "(a corrupt or vanished SSD chunk) then fails its request instead of being recomputed; set \"recompute\"")
+    return (f"OK: {path}: vLLM connector {CONNECTOR_NAME}, LMCache config {cfg.config_file}, SSD tier at "
+            f"{cfg.kvtier.ssd_path} ({cfg.kvtier.ssd_capacity_gb:g} GiB), chunk_size {cfg.chunk_size}, "
+            f"vLLM {versions.installed.vllm}, LMCache {versions.installed.lmcache} ({versions.verdict.value}){note}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -245,8 +245,11 @@ class SSDTier:
             except Exception:  # a bug, not an I/O error (those are per chunk): fail the batch, keep serving
                 logger.exception("SSD tier writer failed on a batch of %d chunks", len(batch))
                 results = [False] * len(batch)
-            self.queue.done(batch)
-            M.SSD_INFLIGHT_WRITE_BYTES.set(self.queue.inflight_bytes)
+            # Completion callbacks first, then the queue's room: a callback releases the chunk's buffer (the LMCache
+            # plugin's ref_count_down), and the queue's byte bound stands for buffers the queued writes hold. Freed
+            # the other way round, a store waiting for room got in (and LMCache allocated its next store) while this
+            # batch's buffers were still held, so more than the bound was held: with the plugin's cap at half of
+            # LMCache's host pool that left no room for a store's last chunk, and LMCache skipped it.
             for t, ok in zip(batch, results):
                 if ok:
                     M.SSD_WRITE_SECONDS.observe(time.monotonic() - t.submitted)
@@ -254,6 +257,8 @@ class SSDTier:
                     t.on_done(ok)
                 except Exception:
                     logger.exception("put completion callback failed for %s", t.key)
+            self.queue.done(batch)
+            M.SSD_INFLIGHT_WRITE_BYTES.set(self.queue.inflight_bytes)
             self._maybe_compact()
 
     def _write_batch(self, batch: list[PutTask]) -> list[bool]:

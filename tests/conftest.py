@@ -35,24 +35,45 @@ def tier_config(tmp_path):
 
 @pytest.fixture
 def lmcache_yaml(tmp_path):
-    """Factory: the shipped configs/lmcache-kvtier.yaml with its SSD path (and other lines) replaced."""
+    """Factory: a shipped LMCache YAML (`configs/lmcache-kvtier.yaml`, or `base`) with its SSD path (tmp_path/ssd,
+    or `ssd`), chunk size, host pool and SSD capacity replaced (`kvtier.tools.lmcache_yaml`); keyword arguments
+    add `kvtier.<key>` lines, `lmcache_lines` raw lines."""
+    from kvtier.tools.lmcache_yaml import write_lmcache_yaml
+
     made: list[None] = []
 
-    def make(chunk_size: int = 16, host_gb: float = 0.05, lmcache_lines: str = "", **kvtier_keys) -> str:
-        text = (REPO / "configs" / "lmcache-kvtier.yaml").read_text()
-        text = text.replace("/var/cache/kvtier", str(tmp_path / "ssd"))
-        text = text.replace("chunk_size: 256", f"chunk_size: {chunk_size}")
-        text = text.replace("max_local_cpu_size: 5 ", f"max_local_cpu_size: {host_gb} ")
-        text = text.replace("kvtier.ssd_capacity_gb: 100", "kvtier.ssd_capacity_gb: 0.05")
-        for k, v in kvtier_keys.items():
-            text += f"  kvtier.{k}: {v}\n"
-        text += lmcache_lines
+    def make(chunk_size: int = 16, host_gb: float = 0.05, lmcache_lines: str = "", *,
+             base: str = "lmcache-kvtier.yaml", ssd: str | os.PathLike | None = None, redis_port: int | None = None,
+             **kvtier_keys) -> str:
         made.append(None)
-        path = tmp_path / f"lmcache-{len(made)}.yaml"
-        path.write_text(text)
-        return str(path)
+        return write_lmcache_yaml(tmp_path / f"lmcache-{len(made)}.yaml", base=base,
+                                  ssd_path=ssd or tmp_path / "ssd", chunk_size=chunk_size, host_gb=host_gb,
+                                  ssd_capacity_gb=0.05, redis_port=redis_port, extra=kvtier_keys,
+                                  lines=lmcache_lines)
 
     return make
+
+
+@pytest.fixture
+def lmcache_engines():
+    """Factory: a real LMCacheEngine from a YAML path (`kvtier.tools.engine_factory`, the tiny test model unless
+    `shape` is given; other keywords go to `post_init`), closed at teardown (remote backends detached first:
+    LMCache 0.5.6's own close of a redis:// backend never returns)."""
+    from kvtier.tools.engine_factory import TINY, build_engine, destroy_engine, load_lmcache_config
+
+    made = []
+
+    def make(yaml_path: str, shape=None, **post_init):
+        e = build_engine(load_lmcache_config(yaml_path), shape or TINY, **post_init)
+        made.append(e)
+        return e
+
+    yield make
+    from kvtier.storage_backends.shared_tier import detach_remote_backends
+
+    for e in made:
+        detach_remote_backends(e)
+        destroy_engine(e)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,10 @@ def test_valid_config_is_page_first_with_inline_overrides(lmcache_yaml, tmp_path
     ({"kvtier.connector": {"prefetch_concurency": 2}}, "kvtier.connector.prefetch_concurency"),
     ({"kvtier.connector": {"kv_layout": "weird"}}, "kv_layout"),
     ({"lmcache_config": "x"}, "unknown key(s) lmcache_config"),
+    # kvtier.scheduler is checked by the connector too (an engine without the scheduler hook would ignore it)
+    ({"kvtier.scheduler": {"ready_ordr": "hrrn"}}, "kvtier.scheduler: unknown key(s) ready_ordr"),
+    ({"kvtier.scheduler": {"ready_order": "sjf"}}, "kvtier.scheduler.ready_order must be one of"),
+    ({"kvtier.scheduler": ["hrrn"]}, "kvtier.scheduler must be an object"),
 ])
 def test_bad_settings_name_the_key(lmcache_yaml, extra, needle):
     base = {"config_file": lmcache_yaml(chunk_size=64)} if "config_file" not in extra and extra != {} else {}
@@ -248,3 +253,38 @@ def test_async_partial_load_reports_its_blocks_no_later_than_the_step_that_finis
             assert ws.take_load_errors() == bad
         finally:
             ws.close()
+
+
+def test_check_config_validates_a_vllm_kv_transfer_json(lmcache_yaml, tmp_path):
+    """`kvtier check-config` on a vLLM --kv-transfer-config JSON: the shipped one (its SSD path moved here) passes;
+    a wrong scheduler key, connector name or extra key is an error naming it."""
+    import json
+
+    from kvtier.storage_backends.check_config import check
+
+    shipped = json.loads((Path(C.__file__).resolve().parent.parent / "configs" / "vllm-kv-transfer.json").read_text())
+    shipped["kv_connector_extra_config"]["kvtier.ssd_path"] = str(tmp_path / "ssd")
+
+    def write(spec: dict) -> str:
+        path = tmp_path / "ktc.json"
+        path.write_text(json.dumps(spec))
+        return str(path)
+
+    out = check(write(shipped))
+    assert out.startswith("OK:") and "KVTierConnector" in out and str(tmp_path / "ssd") in out, out
+    assert "note" not in out  # the shipped file recomputes failed loads
+    assert os.path.isdir(tmp_path / "ssd")
+    bad = [
+        ({**shipped, "kv_connector": "LMCacheConnectorV1"}, "kv_connector"),
+        ({**shipped, "kv_role": "kv_consumer"}, "kv_role"),
+        ({**shipped, "kv_connector_extra_config": {**shipped["kv_connector_extra_config"],
+                                                   "kvtier.scheduler": {"delay_hitt": True}}}, "delay_hitt"),
+        ({**shipped, "kv_connector_extra_config": {**shipped["kv_connector_extra_config"],
+                                                   "kvtier.io_thread": 2}}, "kvtier.io_thread"),
+    ]
+    for spec, needle in bad:
+        with pytest.raises(ConfigError) as e:
+            check(write(spec))
+        assert needle in str(e.value), (needle, str(e.value))
+    no_policy = {k: v for k, v in shipped.items() if k != "kv_load_failure_policy"}
+    assert "vLLM default: fail" in check(write(no_policy))

@@ -390,6 +390,39 @@ def test_idle_gpu_replans_a_waiting_ssd_read_and_prefetches_calibrate_the_plan(r
     assert out.num_scheduled_tokens.get("ssd") == 80 and not out.kv_connector_metadata.loads
 
 
+def test_delay_hit_own_loads_waits_for_the_issued_read_at_an_idle_gpu(request):
+    """The same slow read with `delay_hit_own_loads`: the idle engine does not re-plan the request whose read is in
+    flight (the read is waited for, not recomputed)."""
+    sched, storage = _plan_scheduler(request, {"ssd_read_gbps": 6.4e-5, "delay_hit_own_loads": True},
+                                     polls_needed=10**9)
+    conn = sched.connector
+    sched.add_request(make_request("ssd", 2))
+    assert [c["rid"] for c in storage.calls if c["op"] == "prefetch"] == ["ssd"]
+    for _ in range(3):
+        assert not sched.schedule().num_scheduled_tokens
+    assert conn.scheduler_side.counters["idle_replans"] == 0
+
+
+def test_scheduler_side_reports_the_gpus_busy_time_to_the_policy(request):
+    """The idle-GPU re-plan charges a recompute with the GPU's recent busy share: the connector books the time
+    from a step that scheduled tokens to the next step as busy, and only that, in the hook's policy."""
+    from vllm.v1.request import RequestStatus
+
+    sched, _ = _plan_scheduler(request, {})
+    side, load = sched.connector.scheduler_side, sched.kvtier_policy.gpu_load
+    sched.add_request(make_request("miss", 3, n=100))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens.get("miss") == 100 and side._busy_s == 0.0
+    report(sched, out)
+    sched.finish_requests("miss", RequestStatus.FINISHED_ABORTED)
+    assert not sched.schedule().num_scheduled_tokens  # the step after the busy one books its time
+    busy = side._busy_s
+    assert busy > 0 and load._samples[-1][1] == busy and load.load > 0
+    for _ in range(2):  # idle steps add nothing
+        assert not sched.schedule().num_scheduled_tokens
+    assert side._busy_s == busy and load._samples[-1][1] == busy and len(load._samples) == 4
+
+
 def test_prefetch_durations_calibrate_the_planners_ssd_bandwidth(request):
     """The fake storage reports 64 KiB read in 10 ms (6.5 MB/s): the planner's SSD bandwidth (1.5 GB/s by default)
     moves toward it once the prefetch lands."""

@@ -15,11 +15,7 @@ the module share one set of runs (module fixture), and every test checks one asp
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -27,116 +23,35 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.tools.lmcache_yaml import write_lmcache_yaml  # noqa: E402
+from kvtier.tools.vllm_engine import EngineProcess, run_conversations, tiny_llama  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-BLOCK = 32
 CHUNK = 32
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 32 * 4  # K/V x layers x tokens x kv heads x head dim x fp32
 
-MODEL_SCRIPT = """
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, initializer_range=0.2)
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
-"""
-
-ENGINE_SCRIPT = '''
-import json, sys
+#: the engines' settings (besides `kvtier.tools.vllm_engine.LLM_DEFAULTS`: block size 32, float32, eager, ...)
+LLM_KW = {"max_model_len": 1024, "max_num_seqs": 4, "disable_log_stats": False}
 
 
-def main():
-    args = json.loads(open(sys.argv[1]).read())
-    import faulthandler
-
-    faulthandler.dump_traceback_later(args.get("watchdog_s", 400), exit=True)  # a hang shows its stacks
-    from vllm import LLM, SamplingParams
-
-    kw = {}
-    if args.get("kv_transfer_config"):
-        kw["kv_transfer_config"] = args["kv_transfer_config"]
-    if args.get("scheduler_cls"):
-        kw["scheduler_cls"] = args["scheduler_cls"]
-    kw.update(args.get("engine_kw", {}))
-    llm = LLM(model=args["model"], skip_tokenizer_init=True, load_format="auto", dtype="float32",
-              enforce_eager=True, block_size=%(block)d, max_model_len=1024, enable_prefix_caching=False,
-              max_num_seqs=4, disable_log_stats=False, seed=0, **kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], logprobs=0, ignore_eos=True)
-    convs = args["conversations"]
-    history = [[] for _ in convs]
-    turn_of = [0] * len(convs)
-    out = {"batches": []}
-    for batch in args["schedule"]:
-        prompts = []
-        for i in batch:
-            prompts.append({"prompt_token_ids": history[i] + convs[i][turn_of[i]]})
-        res = llm.generate(prompts, sp, use_tqdm=False)
-        rec = []
-        for i, p, r in zip(batch, prompts, res):
-            o = r.outputs[0]
-            lps = [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)]
-            history[i] = p["prompt_token_ids"] + list(o.token_ids)
-            rec.append({"conv": i, "turn": turn_of[i], "prompt_len": len(p["prompt_token_ids"]),
-                        "tokens": list(o.token_ids), "logprobs": lps})
-            turn_of[i] += 1
-        out["batches"].append(rec)
-    core = llm.llm_engine.engine_core.engine_core
-    conn = core.scheduler.connector
-    if conn is not None:
-        out.update(conn.scheduler_side.snapshot())
-    from kvtier.connector.metrics import kvtier_samples
-
-    out["metrics"] = kvtier_samples()
-    src = {}
-    for x in llm.get_metrics():
-        if x.name == "vllm:prompt_tokens_cached_by_source":
-            src[x.labels.get("source", "?")] = x.value
-        if x.name == "vllm:num_preemptions":
-            out["preemptions"] = out.get("preemptions", 0) + x.value
-    out["cached_by_source"] = src
-    open(args["out"], "w").write(json.dumps(out))
-    llm.llm_engine.engine_core.shutdown()
+def run_engine(workdir: Path, name: str, model: Path, conversations: list, schedule: list, *,
+               max_tokens: int = 16, kv_transfer_config: dict | None = None, scheduler_cls: str | None = None,
+               engine_kw: dict | None = None) -> dict:
+    """One engine process runs the conversations' turns batch by batch (greedy, logprobs of the chosen tokens),
+    then reports the connector's snapshot, kvtier's metrics and vLLM's hit sources."""
+    llm = dict(LLM_KW, kv_transfer_config=kv_transfer_config, scheduler_cls=scheduler_cls, **(engine_kw or {}))
+    with EngineProcess(workdir, name, model, llm=llm, watchdog_s=400) as eng:
+        eng.ready()
+        out = {"batches": run_conversations(eng, conversations, schedule, max_tokens, logprobs=True)}
+        out.update(eng.stats())
+    return out
 
 
-if __name__ == "__main__":
-    main()
-''' % {"block": BLOCK}
-
-
-def engine_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({
-        "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "LMCACHE_TRACK_USAGE": "false",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TRITON_INTERPRET": "0",
-    })
-    return env
-
-
-def run_engine(workdir: Path, name: str, args: dict, expect_ok: bool = True, timeout: int = 600):
-    script = workdir / "engine.py"
-    script.write_text(ENGINE_SCRIPT)
-    args = dict(args, out=str(workdir / f"{name}.out.json"))
-    (workdir / f"{name}.args.json").write_text(json.dumps(args))
-    p = subprocess.run([sys.executable, str(script), str(workdir / f"{name}.args.json")], cwd=workdir,
-                       env=engine_env(), capture_output=True, text=True, timeout=timeout)
-    (workdir / f"{name}.log").write_text(p.stdout + p.stderr)
-    if not expect_ok:
-        return p
-    assert p.returncode == 0, f"{name} failed (rc {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}"
-    return json.loads((workdir / f"{name}.out.json").read_text())
-
-
-def lmcache_yaml(workdir: Path, ssd: Path, host_chunks: int, extra: str = "") -> Path:
-    text = (REPO / "configs" / "lmcache-kvtier.yaml").read_text()
-    text = text.replace("/var/cache/kvtier", str(ssd)).replace("chunk_size: 256", f"chunk_size: {CHUNK}")
-    host_gb = host_chunks * CHUNK_BYTES / (1 << 30)
-    text = text.replace("max_local_cpu_size: 5 ", f"max_local_cpu_size: {host_gb:.9f} ")
-    text = text.replace("kvtier.ssd_capacity_gb: 100", "kvtier.ssd_capacity_gb: 0.05")
-    path = workdir / f"lmcache-{uuid.uuid4().hex[:6]}.yaml"
-    path.write_text(text + extra)
-    return path
+def lmcache_yaml(workdir: Path, ssd: Path, host_chunks: int, extra: dict | None = None) -> Path:
+    return Path(write_lmcache_yaml(workdir / f"lmcache-{uuid.uuid4().hex[:6]}.yaml", ssd_path=ssd,
+                                   chunk_size=CHUNK, host_gb=f"{host_chunks * CHUNK_BYTES / (1 << 30):.9f}",
+                                   ssd_capacity_gb=0.05, extra=extra))
 
 
 def kv_config(yaml_path: Path, **connector) -> dict:
@@ -154,41 +69,45 @@ SCHEDULE = [[0], [1], [2], [3], [0, 3], [1], [2], [0], [1], [2], [3]]
 HELD = ["5-", "11-"]
 
 
+def conversations_and_model(work: Path) -> tuple[list, Path]:
+    """Four conversations of three turns (70, 40 and 30 new tokens) and the tiny Llama, for both fixtures."""
+    rng = random.Random(1)
+    return [[[rng.randrange(1, 1000) for _ in range(n)] for n in (70, 40, 30)] for _ in range(4)], \
+        Path(tiny_llama(work / "model"))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("connector")
-    model = work / "model"
-    subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True,
-                   env=engine_env(), timeout=300)
-    rng = random.Random(1)
-    convs = [[[rng.randrange(1, 1000) for _ in range(n)] for n in (70, 40, 30)] for _ in range(4)]
-    base = {"model": str(model), "conversations": convs, "max_tokens": 16, "schedule": SCHEDULE}
+    convs, model = conversations_and_model(work)
+    base = {"model": model, "conversations": convs, "schedule": SCHEDULE}
     ssd = work / "ssd"
-    yaml_path = lmcache_yaml(work, ssd, host_chunks=4, extra="  kvtier.eviction_policy: answer-length\n")
+    yaml_path = lmcache_yaml(work, ssd, host_chunks=4, extra={"eviction_policy": "answer-length"})
     out = {"work": work, "convs": convs, "yaml": yaml_path}
-    out["baseline"] = run_engine(work, "baseline", base)
-    out["run1"] = run_engine(work, "run1", dict(base, kv_transfer_config=kv_config(
-        yaml_path, debug_prefetch_delay_s=1.5)))
+    out["baseline"] = run_engine(work, "baseline", **base)
+    out["run1"] = run_engine(work, "run1", **base, kv_transfer_config=kv_config(
+        yaml_path, debug_prefetch_delay_s=1.5))
     try:
         import kvtier.scheduler_hooks.dual_queue  # noqa: F401
 
         sched = "kvtier.scheduler_hooks.DualQueueScheduler"
     except Exception:
         sched = None
-    out["run2"] = run_engine(work, "run2", dict(base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched))
+    out["run2"] = run_engine(work, "run2", **base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched)
     out["run2_scheduler"] = sched
     # all four conversations at once in 33 GPU blocks (one request needs 32): decoding runs out of blocks and
     # vLLM preempts a request, which is later resumed from scratch
     tight = dict(base, schedule=[[0, 1, 2, 3]] * 3, max_tokens=48, engine_kw={"num_gpu_blocks_override": 33})
-    out["tight_baseline"] = run_engine(work, "tight_baseline", tight)
+    out["tight_baseline"] = run_engine(work, "tight_baseline", **tight)
     # requests 5 and 11: their loads wait 6 engine steps on the transfer thread (the other requests keep stepping
     # meanwhile), their saves 40 steps (still in flight when request 5 finishes: vLLM keeps its blocks; and when
     # request 11 is preempted: the step waits for them before its forward pass reuses the blocks)
-    out["tight"] = run_engine(work, "tight", dict(tight, kv_transfer_config=kv_config(
-        lmcache_yaml(work, work / "ssd-tight", host_chunks=64), debug_hold_request_prefix=HELD,
-        debug_load_hold_steps=6, debug_save_hold_steps=40)))
+    out["tight"] = run_engine(work, "tight", **tight, kv_transfer_config=kv_config(
+        lmcache_yaml(work, work / "ssd-tight", host_chunks=64), sync_load_budget_tokens=0,
+        debug_hold_request_prefix=HELD,
+        debug_load_hold_steps=6, debug_save_hold_steps=40))
     out["flipped"] = flip_a_byte_in_every_slot(ssd)
-    out["run3"] = run_engine(work, "run3", dict(base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched))
+    out["run3"] = run_engine(work, "run3", **base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched)
     return out
 
 
@@ -197,15 +116,11 @@ def compat_runs(tmp_path_factory):
     """The lean engine check of every CPU combination of the compatibility matrix: the same conversations
     without a connector and with kvtier (host tier of 4 chunks, so earlier turns come back from the SSD tier)."""
     work = tmp_path_factory.mktemp("connector-compat")
-    model = work / "model"
-    subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True,
-                   env=engine_env(), timeout=300)
-    rng = random.Random(1)
-    convs = [[[rng.randrange(1, 1000) for _ in range(n)] for n in (70, 40, 30)] for _ in range(4)]
-    base = {"model": str(model), "conversations": convs, "max_tokens": 16, "schedule": SCHEDULE}
-    return {"baseline": run_engine(work, "baseline", base),
-            "kvtier": run_engine(work, "kvtier", dict(base, kv_transfer_config=kv_config(
-                lmcache_yaml(work, work / "ssd", host_chunks=4))))}
+    convs, model = conversations_and_model(work)
+    base = {"model": model, "conversations": convs, "schedule": SCHEDULE}
+    return {"baseline": run_engine(work, "baseline", **base),
+            "kvtier": run_engine(work, "kvtier", **base, kv_transfer_config=kv_config(
+                lmcache_yaml(work, work / "ssd", host_chunks=4)))}
 
 
 @pytest.mark.compat
@@ -373,9 +288,9 @@ def test_bad_config_stops_engine_at_start(runs, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     bad = lmcache_yaml(tmp_path, blocker / "ssd", host_chunks=4)
-    args = {"model": str(runs["work"] / "model"), "conversations": [[[1, 2, 3]]], "max_tokens": 1,
-            "schedule": [[0]], "kv_transfer_config": kv_config(bad)}
-    p = run_engine(tmp_path, "bad", args, expect_ok=False, timeout=300)
-    assert p.returncode != 0
-    log = p.stdout + p.stderr
+    with EngineProcess(tmp_path, "bad", runs["work"] / "model", llm=dict(LLM_KW, kv_transfer_config=kv_config(bad)),
+                       watchdog_s=400) as eng:
+        rc = eng.wait_exit(timeout=300)
+        log = eng.log_text()
+    assert rc != 0
     assert "ConfigError" in log and "kvtier.ssd_path" in log and "cannot create" in log, log[-3000:]

@@ -46,3 +46,37 @@ def test_demo_vllm_smallest(tmp_path):
     assert plot.exists() and plot.stat().st_size > 0
     # the progress bars went to stderr
     assert "vLLM + kvtier" in p.stderr
+
+
+def test_an_engine_run_leaves_no_process_behind(tmp_path):
+    """What the demos and the tests' engine runner do with an engine process (`end_process_group`) also ends what
+    it started: vLLM's engine core runs in a process of its own, and killing only the child left it running (seen
+    after a start timeout)."""
+    import time
+
+    from kvtier.tools.vllm_engine import end_process_group
+
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    end_process_group(proc)
+    assert proc.returncode is not None
+    for _ in range(100):  # the grandchild is reparented and reaped once killed
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{grandchild}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":  # a zombie: dead, not yet reaped
+                break
+        time.sleep(0.05)
+    else:
+        os.kill(grandchild, 9)
+        raise AssertionError("the engine's own child outlived it")

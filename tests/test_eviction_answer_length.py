@@ -78,6 +78,23 @@ def test_ghost_first_run_comes_early_then_the_cadence_holds():
     assert runs_at[id(early)] == [64, 512, 768, 1024]
 
 
+def test_label_horizon_follows_new_accesses_and_runs():
+    """label_horizon() is cached between changes; a new access (the window's span) and a Belady run (its hit
+    chances) both change it."""
+    ghost = GhostBelady(BUCKETS, sample_rate=1, window=10_000, refresh=10_000, min_label_horizon=1.0)
+    for i in range(60):
+        ghost.record(("k", i), float(i), 1)
+    assert ghost.label_horizon() == 29.5  # no run yet: half the window's span
+    for i in range(60):
+        ghost.record(("k", i), 60.0 + i, 1)  # 60 reuses 60 s apart through one slot: Belady hits at most one
+    ghost.record("last", 400.0, 1)
+    assert ghost.label_horizon() == 200.0
+    ghost.rerun(1)
+    assert ghost.hit_prob[3] <= 1 / 60 and ghost.label_horizon() == 50.0  # where the optimum stops hitting
+    ghost.max_label_horizon = 20.0
+    assert ghost.label_horizon() == 20.0
+
+
 # ------------------------------------------------------------------ reuse model
 
 

@@ -12,12 +12,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 from kvtier.tools.lmcache_mp import BenchClient, MPServer, kvtier_adapter_spec, lmcache_executable
+from kvtier.tools.vllm_engine import EngineProcess, run_conversations, tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 2 * 2 * 256 * 2 * 64 * 4  # BenchClient's layout: K/V x 2 layers x 256 tokens x 2 heads x 64 x fp32
@@ -143,66 +142,17 @@ def _flip_one_byte(ssd: Path, slot: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
-MODEL_SCRIPT = """
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, initializer_range=0.2)
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
-"""
-
-ENGINE_SCRIPT = '''
-import json, sys, time
-
-
-def main():
-    args = json.loads(open(sys.argv[1]).read())
-    import faulthandler
-
-    faulthandler.dump_traceback_later(args.get("watchdog_s", 500), exit=True)  # a hang shows its stacks
-    from vllm import LLM, SamplingParams
-
-    kw = {}
-    if args.get("kv_transfer_config"):
-        kw["kv_transfer_config"] = args["kv_transfer_config"]
-        kw["distributed_executor_backend"] = "uni"  # engine core in its own process, the worker inside it
-    llm = LLM(model=args["model"], skip_tokenizer_init=True, load_format="auto", dtype="float32",
-              enforce_eager=True, block_size=32, max_model_len=4096, enable_prefix_caching=False,
-              max_num_seqs=4, disable_log_stats=False, seed=0, **kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True)
-    convs = args["conversations"]
-    history = [[] for _ in convs]
-    out = {"turns": []}
-    for turn in range(len(convs[0])):
-        prompts = [{"prompt_token_ids": history[i] + convs[i][turn]} for i in range(len(convs))]
-        rec = []
-        for i, (p, r) in enumerate(zip(prompts, llm.generate(prompts, sp, use_tqdm=False))):
-            history[i] = p["prompt_token_ids"] + list(r.outputs[0].token_ids)
-            rec.append({"prompt_len": len(p["prompt_token_ids"]), "tokens": list(r.outputs[0].token_ids),
-                        "cached": int(r.num_cached_tokens or 0)})
-        out["turns"].append(rec)
-        time.sleep(args.get("pause_s", 0))  # LMCache's L1 eviction runs once a second
-    open(args["out"], "w").write(json.dumps(out))
-
-
-if __name__ == "__main__":  # the engine core runs in a spawned process
-    main()
-'''
-
-
-def _run_vllm(work: Path, name: str, args: dict, multiprocessing: bool) -> dict:
-    script = work / "engine.py"
-    script.write_text(ENGINE_SCRIPT)
-    args = dict(args, out=str(work / f"{name}.out.json"))
-    (work / f"{name}.json").write_text(json.dumps(args))
-    e = dict(env(), VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", TRITON_INTERPRET="0",
-             VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0")
-    p = subprocess.run([sys.executable, str(script), str(work / f"{name}.json")], cwd=work, env=e,
-                       capture_output=True, text=True, timeout=600)
-    (work / f"{name}.log").write_text(p.stdout + p.stderr)
-    assert p.returncode == 0, f"{name} failed (rc {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}"
-    return json.loads((work / f"{name}.out.json").read_text())
+def _run_vllm(work: Path, name: str, model: Path, convs: list, kv_transfer_config: dict | None = None) -> list:
+    """The conversations turn by turn (all four in one batch a turn), 2 s apart: LMCache's L1 eviction runs once
+    a second. vLLM runs in-process (one interpreter; `tools.vllm_engine.guard_llvmlite_for_vllm_kernel_scan` keeps
+    vLLM's kernel scan from tripping over the numba that LMCache's connector imports)."""
+    llm = {"max_model_len": 4096, "max_num_seqs": 4, "disable_log_stats": False,
+           "kv_transfer_config": kv_transfer_config, "distributed_executor_backend": "uni" if kv_transfer_config
+           else None}
+    e = dict(LMCACHE_DISABLE_BANNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    with EngineProcess(work, name, model, llm=llm, env=e, watchdog_s=500) as eng:
+        eng.ready()
+        return run_conversations(eng, convs, [list(range(len(convs)))] * len(convs[0]), 16, pause_s=2)
 
 
 def test_vllm_mp_connector_multi_turn_served_from_kvtier(tmp_path):
@@ -212,13 +162,10 @@ def test_vllm_mp_connector_multi_turn_served_from_kvtier(tmp_path):
     tokens equal a run without a connector, and later turns load history chunks from kvtier's SSD tier once L1
     could not hold them."""
     pytest.importorskip("vllm")
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True, timeout=300,
-                   env=env())
+    model = Path(tiny_llama(tmp_path / "model"))
     rng = random.Random(3)
     convs = [[[rng.randrange(1, 1024) for _ in range(n)] for n in (600, 300, 300)] for _ in range(4)]
-    base = {"model": str(model), "max_tokens": 16, "conversations": convs, "pause_s": 2}
-    baseline = _run_vllm(tmp_path, "baseline", base, multiprocessing=False)
+    baseline = _run_vllm(tmp_path, "baseline", model, convs)
 
     chunk = 2 * 2 * 256 * 2 * 32 * 4  # K/V x layers x 256 tokens x kv heads x head dim x fp32
     spec = kvtier_adapter_spec(tmp_path / "ssd", 0.05)
@@ -227,21 +174,21 @@ def test_vllm_mp_connector_multi_turn_served_from_kvtier(tmp_path):
         kv = {"kv_connector": "LMCacheMPConnector",
               "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": srv.port}}
-        mp = _run_vllm(tmp_path, "mp", dict(base, kv_transfer_config=kv), multiprocessing=True)
+        mp = _run_vllm(tmp_path, "mp", model, convs, kv_transfer_config=kv)
         l2 = srv.wait_l2_idle()
         m = srv.metrics()
 
-    for t, (b_turn, k_turn) in enumerate(zip(baseline["turns"], mp["turns"])):
+    for t, (b_turn, k_turn) in enumerate(zip(baseline, mp)):
         for i, (b, k) in enumerate(zip(b_turn, k_turn)):
             assert b["tokens"] == k["tokens"], f"conversation {i} turn {t + 1}: tokens differ"
             assert b["cached"] == 0
             # at most the previous turn's prompt, in whole chunks (LMCache stores prompt chunks only)
-            bound = 0 if t == 0 else baseline["turns"][t - 1][i]["prompt_len"] // 256 * 256
+            bound = 0 if t == 0 else baseline[t - 1][i]["prompt_len"] // 256 * 256
             assert k["cached"] <= bound
     stored = l2["stats"]["committed"]
     assert stored > 12, "every chunk fit in L1: nothing proves the L2 path"
     l2_keys = m["lmcache_mp_lookup_hit_l2_keys_total"]
     assert l2_keys >= 4 and l2["stats"]["hits"] == l2_keys, (l2, m)  # kvtier served every L2 hit
-    later = sum(k["cached"] for turn in mp["turns"][1:] for k in turn)
+    later = sum(k["cached"] for turn in mp[1:] for k in turn)
     assert later >= 256 * l2_keys  # those chunks became cached prompt tokens in vLLM
     assert l2["stats"]["corrupt"] == 0 and l2["stats"]["dropped_backpressure"] == 0

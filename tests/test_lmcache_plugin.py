@@ -14,20 +14,22 @@ pytestmark = pytest.mark.compat
 import torch
 
 from kvtier.tools.engine_factory import (
+    TINY as SHAPE,
     ModelShape,
     build_engine,
     destroy_engine,
     kvtier_backend,
     load_lmcache_config,
+    random_kv,
 )
 
-SHAPE = ModelShape("kvtier-test/tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
 CHUNK = 16
+#: a wider model, 128 KiB chunks: the host-pool tests count in chunks of it
+WIDE = ModelShape("kvtier-test/wide", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 
 def kv_for(tokens: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, SHAPE.num_layers, tokens, SHAPE.hidden, generator=g).to(SHAPE.dtype)
+    return random_kv(SHAPE, tokens, seed)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -39,18 +41,14 @@ def clear_host(engine) -> None:
 
 
 @pytest.fixture
-def engine_from(lmcache_yaml):
-    made = []
+def engine_from(lmcache_yaml, lmcache_engines):
+    """Factory: an engine of the tiny model from the shipped YAML (`lmcache_yaml`'s keywords; `post_init`)."""
 
     def make(**kw):
         post = kw.pop("post_init", {})
-        e = build_engine(load_lmcache_config(lmcache_yaml(**kw)), SHAPE, **post)
-        made.append(e)
-        return e
+        return lmcache_engines(lmcache_yaml(**kw), **post)
 
-    yield make
-    for e in made:
-        destroy_engine(e)
+    return make
 
 
 def test_plugin_is_loaded_from_the_yaml(engine_from):
@@ -112,12 +110,10 @@ def test_corrupt_chunk_is_recomputed_not_returned(engine_from):
 STORE_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.argv = sys.argv
-    from kvtier.tools.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, \\
-        load_lmcache_config
-    shape = ModelShape("kvtier-test/tiny", 2, 2, 16, torch.bfloat16)
-    e = build_engine(load_lmcache_config(sys.argv[1]), shape)
-    g = torch.Generator().manual_seed(11)
-    kv = torch.randn(2, 2, 160, 32, generator=g).to(torch.bfloat16)
+    from kvtier.tools.engine_factory import TINY, build_engine, destroy_engine, kvtier_backend, \\
+        load_lmcache_config, random_kv
+    e = build_engine(load_lmcache_config(sys.argv[1]), TINY)
+    kv = random_kv(TINY, 160, seed=11)
     e.store(torch.arange(1000, 1160), kvcaches=kv)
     assert kvtier_backend(e).flush(30)
     destroy_engine(e)
@@ -138,8 +134,7 @@ def test_new_process_finds_previous_process_chunks(engine_from, lmcache_yaml):
     assert e.lookup(tokens) == 160
     out = torch.zeros(2, 2, 160, 32, dtype=torch.bfloat16)
     assert int(e.retrieve(tokens, kvcaches=out).sum()) == 160
-    g = torch.Generator().manual_seed(11)
-    assert same_bits(out, torch.randn(2, 2, 160, 32, generator=g).to(torch.bfloat16))
+    assert same_bits(out, kv_for(160, seed=11))
     assert b.tier.stats.hits == 10
 
 
@@ -182,15 +177,15 @@ def test_slow_ssd_applies_backpressure_instead_of_dropping(lmcache_yaml, monkeyp
     """64 chunks through a host pool of 24 while SSD writes lag: none is lost on the way to the SSD tier."""
     import time
 
-    big = ModelShape("kvtier-test/wide", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    per_chunk = big.chunk_bytes(CHUNK)  # 128 KiB
+    per_chunk = WIDE.chunk_bytes(CHUNK)  # 128 KiB
     # A generous drain timeout: on a loaded CI machine 10 s can pass without a drop being wrong; what this test
     # checks is that a lagging SSD makes stores wait, not drop. The host pool has room for the 8 queued chunks
-    # (1 MiB) plus a whole 8-chunk store with slack: at exactly 16 chunks LMCache's allocator sometimes found no
-    # room for a store's last chunk and skipped the store itself (LMCache's choice, before the plugin sees it).
+    # (1 MiB) plus a whole 8-chunk store with slack. (At exactly 16 chunks a store sometimes lost its last chunk:
+    # the writers gave queue room back before releasing the written chunks' buffers; see
+    # test_queue_room_comes_back_only_after_written_chunks_are_released.)
     cfg = load_lmcache_config(lmcache_yaml(host_gb=24 * per_chunk / (1 << 30), max_inflight_write_mb=1,
                                            ssd_capacity_gb=0.05, backpressure_timeout_s=300))
-    e = build_engine(cfg, big)
+    e = build_engine(cfg, WIDE)
     try:
         b = kvtier_backend(e)
         real = b.tier._write_batch
@@ -198,7 +193,7 @@ def test_slow_ssd_applies_backpressure_instead_of_dropping(lmcache_yaml, monkeyp
         g = torch.Generator().manual_seed(9)
         for s in range(8):  # eight requests of 8 chunks each
             tokens = torch.arange(s * 10_000, s * 10_000 + 8 * CHUNK)
-            kv = torch.randn(2, 2, 8 * CHUNK, big.hidden, generator=g).to(big.dtype)
+            kv = torch.randn(2, 2, 8 * CHUNK, WIDE.hidden, generator=g).to(WIDE.dtype)
             e.store(tokens, kvcaches=kv)
         assert b.flush(60)
         st = b.tier.stats
@@ -208,30 +203,49 @@ def test_slow_ssd_applies_backpressure_instead_of_dropping(lmcache_yaml, monkeyp
         destroy_engine(e)
 
 
-def test_default_queue_cap_leaves_lmcache_room_for_the_next_store(lmcache_yaml, monkeypatch):
-    """With the default max_inflight_write_mb (2 GiB, far above this 16-chunk host pool) the queued writes would
-    hold the whole pool and LMCache would skip later stores before the plugin sees them. The plugin caps the
-    queue at half the pool, so every chunk of every store reaches the SSD tier."""
+def _six_stores_while_the_ssd_lags(lmcache_yaml, monkeypatch, pause_after_done_s: float = 0.0):
+    """Six stores of 8 WIDE chunks through a host pool of 16 (the default queue cap: half of it) while every SSD
+    write batch takes 50 ms more; `pause_after_done_s` also stalls a writer right after the queue took its batch
+    back (as a loaded machine may). Returns the tier's stats once everything is flushed."""
     import time
 
-    big = ModelShape("kvtier-test/wide", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    per_chunk = big.chunk_bytes(CHUNK)
-    cfg = load_lmcache_config(lmcache_yaml(host_gb=16 * per_chunk / (1 << 30), ssd_capacity_gb=0.05))
-    e = build_engine(cfg, big)
+    per_chunk = WIDE.chunk_bytes(CHUNK)
+    e = build_engine(load_lmcache_config(lmcache_yaml(host_gb=16 * per_chunk / (1 << 30), ssd_capacity_gb=0.05)),
+                     WIDE)
     try:
         b = kvtier_backend(e)
         assert b.tier.max_inflight_bytes == 8 * per_chunk
         real = b.tier._write_batch
         monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.05), real(batch))[1])
+        if pause_after_done_s:
+            done = b.tier.queue.done
+            monkeypatch.setattr(b.tier.queue, "done", lambda batch: (done(batch), time.sleep(pause_after_done_s)))
         g = torch.Generator().manual_seed(5)
         for s in range(6):  # six requests of 8 chunks: three pools' worth while the SSD lags
             tokens = torch.arange(s * 10_000, s * 10_000 + 8 * CHUNK)
-            kv = torch.randn(2, 2, 8 * CHUNK, big.hidden, generator=g).to(big.dtype)
+            kv = torch.randn(2, 2, 8 * CHUNK, WIDE.hidden, generator=g).to(WIDE.dtype)
             e.store(tokens, kvcaches=kv)
         assert b.flush(60)
-        assert b.tier.stats.committed == 48, b.tier.stats.as_dict()
+        return b.tier.stats
     finally:
         destroy_engine(e)
+
+
+def test_default_queue_cap_leaves_lmcache_room_for_the_next_store(lmcache_yaml, monkeypatch):
+    """With the default max_inflight_write_mb (2 GiB, far above this 16-chunk host pool) the queued writes would
+    hold the whole pool and LMCache would skip later stores before the plugin sees them. The plugin caps the
+    queue at half the pool, so every chunk of every store reaches the SSD tier."""
+    stats = _six_stores_while_the_ssd_lags(lmcache_yaml, monkeypatch)
+    assert stats.committed == 48, stats.as_dict()
+
+
+def test_queue_room_comes_back_only_after_written_chunks_are_released(lmcache_yaml, monkeypatch):
+    """The queue's bound holds only if a written chunk's host buffer is released (its completion callback)
+    before its bytes leave the queue: otherwise a waiting store gets in, and LMCache allocates the next one,
+    while the written batch still holds its buffers. A writer stalled at that point (here 0.2 s; a loaded
+    machine's scheduler did it now and then) must not cost a chunk."""
+    stats = _six_stores_while_the_ssd_lags(lmcache_yaml, monkeypatch, pause_after_done_s=0.2)
+    assert stats.committed == 48, stats.as_dict()
 
 
 def test_unknown_key_fails_plugin_construction_loudly_in_check_config(lmcache_yaml):

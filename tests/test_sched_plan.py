@@ -136,10 +136,13 @@ def test_scheduler_keys_are_parsed_and_errors_name_the_key():
     for bad, key in (({"ssd_read_gbs": 1.0}, "ssd_read_gbs"), ({"ssd_read_gbps": -1}, "ssd_read_gbps"),
                      ({"ready_order": "lifo"}, "ready_order"), ({"load_or_recompute": "yes"}, "load_or_recompute"),
                      ({"delay_hit_threshold_tokens": 0}, "delay_hit_threshold_tokens"),
+                     ({"delay_hit_own_loads": "yes"}, "delay_hit_own_loads"),
                      ({"calibration_weight": 2}, "calibration_weight"), ({"kv_bytes_per_token": 1.5}, "kv_bytes")):
         with pytest.raises(ValueError, match=f"kvtier.scheduler.*{key}"):
             DualQueueConfig.from_keys(bad)
     assert "ready_order" in SCHEDULER_KEYS and "recompute_gpu_weight" in SCHEDULER_KEYS
+    assert DualQueueConfig.from_keys({"delay_hit_own_loads": True}).delay_hit_own_loads
+    assert not DualQueueConfig.from_keys({}).delay_hit_own_loads  # production keeps the idle-GPU guarantee
 
 
 # --- hint derivation -----------------------------------------------------------------------------------------------
@@ -197,6 +200,35 @@ def test_idle_gpu_replan_promotes_the_request_that_gains_most():
     assert p.planner.stats["replan_recompute_ssd"] == 1
 
 
+def test_idle_gpu_replan_leaves_a_prefix_another_request_brings_to_delay_hit():
+    """Delay hit covers loads too: with avoidance on, a request whose SSD part another request's read (or prefill)
+    is bringing (`inflight_tokens`) is not recomputed at an idle GPU, nor with `delay_hit_own_loads` one whose own
+    read is issued; the others still are."""
+    res = Residency(host_end=4096, hit_end=14_336, ssd_tokens=10_240, ssd_bytes=10_240 * KV)
+    for delay_hit, expect in ((True, "s1"), (False, "s2")):
+        p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, delay_hit=delay_hit))
+        for rid, arr, inflight in (("s1", 1.0, 0), ("s2", 2.0, 10_240)):
+            h = derive_tier_hint(rid, arr, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                                 context=PlanContext(gpu_wait_s=3.0), inflight_tokens=inflight)
+            p.add(h, 100)
+        # s2 gains most (its read is the longer one) but its prefix is on its way
+        assert p.replan_idle(lambda h: READ_S * (2 if h.request_id == "s2" else 1)) == expect, delay_hit
+        assert p.hint(expect).state is TierState.READY
+    p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, delay_hit=True))
+    h = derive_tier_hint("s2", 2.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                         context=PlanContext(gpu_wait_s=3.0), inflight_tokens=10_240)
+    p.add(h, 100)
+    assert p.replan_idle(lambda h: 10 * READ_S) is None and p.preparing_ids() == ["s2"]
+    # its own read in flight (LOADING): replanned unless `delay_hit_own_loads` (then it waits for its read)
+    for own, expect in ((True, None), (False, "s1")):
+        p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, delay_hit=True, delay_hit_own_loads=own))
+        h = derive_tier_hint("s1", 1.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                             context=PlanContext(gpu_wait_s=3.0))
+        p.add(h, 100)
+        assert p.next_prefetch(3.0) == "s1" and p.loading_ids() == ["s1"]
+        assert p.replan_idle(lambda h: 10 * READ_S) == expect, own
+
+
 # --- HRRN ready order ----------------------------------------------------------------------------------------------
 
 
@@ -233,3 +265,68 @@ def test_hrrn_ready_order_by_uncached_service_with_the_starvation_bound():
     assert p.pick(20.5) == "long" and p.order(20.5)[0] == "long"
     p.dispatched("long", 20.5)
     assert p.pick(20.5) != "long"
+
+
+# --- the idle-GPU re-plan under load -------------------------------------------------------------------------------
+
+
+def test_gpu_load_is_the_busy_share_of_the_last_window():
+    from kvtier.scheduler_hooks.gpu_load import GpuLoad
+
+    g = GpuLoad(window_s=10.0)
+    assert g.load == 0.0  # no evidence: the re-plan keeps its plain rule
+    g.observe(0.0, 0.0)
+    assert g.load == 0.0
+    g.observe(5.0, 5.0)
+    assert g.load == 1.0
+    g.observe(10.0, 5.0)
+    assert g.load == 0.5
+    g.observe(20.0, 5.0)  # the busy 5 s left the window
+    assert g.load == 0.0
+    g.observe(24.0, 7.0)
+    assert g.load == pytest.approx(2.0 / 14.0)  # one sample at or before the window's start is kept
+    g.observe(15.0, 1.0)  # a clock that went backwards restarts the window
+    assert g.load == 0.0
+
+
+def test_recompute_now_charges_the_work_arriving_during_the_read():
+    """Recompute at an idle GPU iff fallback_gpu_s + load * read_s < read_s + gpu_s: at load 0 whenever that is
+    the earlier first token; under load only where the recompute also leaves the arrivals their idle time."""
+    planner = LoadPlanner()
+    plan = planner.plan(**SSD_CASE, context=PlanContext(gpu_wait_s=3.0))
+    assert plan.ssd is LoadAction.PREFETCH
+    extra = plan.fallback_gpu_s - plan.gpu_s  # GPU seconds the cache saves
+    assert 0 < extra < READ_S
+    boundary = 1.0 - extra / READ_S  # the load at which waiting and recomputing leave the same work
+    assert LoadPlanner.idle_gain_s(plan, READ_S, 0.0) == pytest.approx(READ_S - extra)
+    assert LoadPlanner.idle_gain_s(plan, READ_S, boundary) == pytest.approx(0.0, abs=1e-12)
+    assert planner.recompute_now(plan, READ_S).ssd is LoadAction.RECOMPUTE
+    assert planner.recompute_now(plan, READ_S, boundary - 0.01).ssd is LoadAction.RECOMPUTE
+    assert planner.recompute_now(plan, READ_S, boundary + 0.01) is None
+    assert planner.recompute_now(plan, READ_S, 1.0) is None  # a saturated GPU has no idle time to give
+    assert planner.recompute_now(plan, extra - 0.01, 0.0) is None  # the read lands before the extra work ends
+
+
+def test_idle_gpu_replan_uses_the_busy_share_the_engine_reports():
+    res = Residency(host_end=4096, hit_end=14_336, ssd_tokens=10_240, ssd_bytes=10_240 * KV)
+
+    def policy(counts: bool) -> DualQueuePolicy:
+        p = DualQueuePolicy(DualQueueConfig(starvation_floor_s=1e9, idle_replan_counts_arrivals=counts))
+        p.add(derive_tier_hint("s1", 1.0, gpu_tokens=512, residency=res, prompt_tokens=16_384, planner=p.planner,
+                               context=PlanContext(gpu_wait_s=3.0)), 100)
+        return p
+
+    plan = policy(True).hint("s1").plan
+    boundary = 1.0 - (plan.fallback_gpu_s - plan.gpu_s) / READ_S
+    for load, counts, expect in ((boundary + 0.02, True, None), (boundary - 0.02, True, "s1"),
+                                 (boundary + 0.02, False, "s1"), (0.0, True, "s1")):
+        p = policy(counts)
+        p.observe_gpu_busy(100.0, 0.0)
+        p.observe_gpu_busy(130.0, 30.0 * load)  # busy `load` of the last 30 s
+        assert p.arriving_load() == pytest.approx(load if counts else 0.0)
+        assert p.replan_idle(lambda h: READ_S) == expect, (load, counts)
+        assert p.hint("s1").state is (TierState.READY if expect else TierState.PREPARING)
+    assert DualQueueConfig().idle_replan_counts_arrivals  # the default
+    assert not DualQueueConfig.from_keys({"idle_replan_counts_arrivals": False}).idle_replan_counts_arrivals
+    with pytest.raises(ValueError, match="idle_replan_counts_arrivals"):
+        DualQueueConfig.from_keys({"idle_replan_counts_arrivals": 1})

@@ -190,6 +190,44 @@ def test_a_prefix_is_read_from_the_ssd_once_for_two_requests():
         assert sim.queue["B"] >= 10 * BLOCK_READ_S - 0.011
 
 
+def test_delay_hit_covers_a_prefix_another_request_is_reading():
+    """A's prefetch of a 20-block SSD prefix is in flight when B (same prefix) arrives and when L's job ends. At the
+    idle GPU the load plan recomputes SSD parts: without delay-hit B's first (its own read would come after A's;
+    a recompute of blocks in flight, counted `inflight`), then A's. With it, B waits for A's read and the plan
+    recomputes A's part, which B then takes from the GPU. With `+own-loads` A waits for its own read too: nothing
+    is recomputed, both take the prefix from host memory (a longer wait here: the trade it makes). Those three use
+    the re-plan's eager rule; by default the re-plan charges a recompute with the GPU's busy share, which is 1.0
+    when L ends (busy since the first admission): A and B wait for the read as with `+own-loads`."""
+    reqs = [req("L", 0.0, range(100, 180)), req("A", 2.0, list(range(1, 21)) + [21]),
+            req("B", 2.01, list(range(1, 21)) + [22])]
+    seed = {"ssd": list(range(1, 21))}
+    plain = make(reqs, "dual-queue+eager-replan", seed)
+    pres = plain.run()
+    assert plain.read_order == ["A"] and plain.dispatch_order == ["L", "B", "A"]
+    assert pres.recomputed == {"inflight": 20 * 512, "plan": 0, "evicted": 0}
+    assert pres.policy_stats["replan_recompute_ssd"] == 2  # B, then A (B is computing A's prefix meanwhile)
+    assert pres.tokens["gpu"] == 20 * 512  # A took B's computed prefix from the GPU
+    dh = make(reqs, "dual-queue+delay-hit+eager-replan", seed)
+    dres = dh.run()
+    assert dh.read_order == ["A"] and dh.dispatch_order == ["L", "A", "B"]
+    assert dres.recomputed == {"inflight": 0, "plan": 20 * 512, "evicted": 0}
+    assert dres.policy_stats["replan_recompute_ssd"] == 1 and dres.tokens["gpu"] == 20 * 512
+    own = make(reqs, "dual-queue+delay-hit+own-loads+eager-replan", seed)
+    ores = own.run()
+    assert own.read_order == ["A"] and own.dispatch_order == ["L", "A", "B"]
+    assert ores.recomputed == {"inflight": 0, "plan": 0, "evicted": 0}
+    assert ores.policy_stats["replan_recompute_ssd"] == 0
+    assert ores.tokens["ssd_prefetch"] == 20 * 512 and ores.tokens["host"] == 20 * 512
+    assert ores.tokens["computed"] == pres.tokens["computed"] - 20 * 512
+    assert ores.ssd_read_gb == pytest.approx(20 * 512 * COST.kv_bytes_per_token / 1e9)  # one read for both
+    assert own.queue["A"] > dh.queue["A"]
+    for name in ("dual-queue", "dual-queue+delay-hit"):  # the default re-plan at a GPU that was busy throughout
+        busy = make(reqs, name, seed)
+        bres = busy.run()
+        assert bres.recomputed == ores.recomputed and bres.policy_stats["replan_recompute_ssd"] == 0, name
+        assert bres.tokens == ores.tokens and busy.queue == pytest.approx(own.queue), name
+
+
 def test_load_plan_recomputes_an_unhidden_ssd_read_and_prefetches_a_hidden_one():
     # GPU idle: reading 20 blocks (0.89 s) is slower than recomputing them (~0.4 s): recompute, at once - by the
     # idle-GPU re-plan (default weight) or already at arrival (weight 0: the request's own first token only)

@@ -30,7 +30,9 @@ psutil = pytest.importorskip("psutil")
 
 from kvtier.tools.serve_process import ServeProcess, free_port  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# compat: the HTTP server in every combination that can run a real engine (the CPU builds); the CUDA wheels
+# construct the connector and scheduler from the same JSON in test_serve_config.py
+pytestmark = [pytest.mark.slow, pytest.mark.compat, pytest.mark.needs("vllm_cpu_engine")]
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE, CHUNK = 32, 64
@@ -115,7 +117,11 @@ def test_metrics_hits_by_tier_agree_with_vllm(served):
     kv = lambda tier: m.get(("kvtier_connector_hit_tokens_total", (("tier", tier),)), 0.0)  # noqa: E731
     vl = lambda src: m.get(("vllm:prompt_tokens_cached_by_source_total", (("source", src),)), 0.0)  # noqa: E731
     hits = {t: kv(t) for t in ("gpu", "host", "ssd")}
-    assert hits == {"gpu": vl("device"), "host": vl("host"), "ssd": vl("disk")}, m
+    if any(k[0] == "vllm:prompt_tokens_cached_by_source_total" for k in m):
+        assert hits == {"gpu": vl("device"), "host": vl("host"), "ssd": vl("disk")}, m
+    else:  # vLLM 0.31 has no split by source: a connector's hits are one number there (compat/vllm_hit_sources.py)
+        assert (hits["gpu"], hits["host"] + hits["ssd"]) == (m[("vllm:prefix_cache_hits_total", ())],
+                                                             m[("vllm:external_prefix_cache_hits_total", ())]), m
     assert hits["host"] > 0 and hits["ssd"] > 0, f"the workload must be served from both kvtier tiers: {hits}"
     assert m[("kvtier_connector_query_tokens_total", ())] > kv("host") + kv("ssd") + kv("gpu")
     # worker-side series (the SSD tier lives in the worker process) reach the API server's /metrics too
@@ -125,7 +131,10 @@ def test_metrics_hits_by_tier_agree_with_vllm(served):
 
 def test_kvtier_startup_lines_in_the_log(served):
     log = served["startup_log"]
-    assert re.search(r"kvtier connector \(SCHEDULER role\) on vLLM 0\.3\d\.\d, LMCache 0\.5\.6", log), log[-3000:]
+    from importlib.metadata import version
+
+    lmcache = re.escape(version("lmcache"))  # the installed one (the compatibility matrix has several)
+    assert re.search(rf"kvtier connector \(SCHEDULER role\) on vLLM 0\.3\d\.\d, LMCache {lmcache}", log), log[-3000:]
     assert re.search(r"SSD tier at .*ssd/worker0-of-1: \d+ committed chunks found", log)
     assert "kvtier connector worker rank 0: 4 layers" in log and "kvtier: dual-queue scheduling on" in log
     ours = [line for line in log.splitlines() if KVTIER_LINE.search(line)]

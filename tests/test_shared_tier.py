@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,24 +18,16 @@ from kvtier.storage_backends.shared_tier import (  # noqa: E402
     attach_shared_tier,
     detach_remote_backends,
 )
-from kvtier.tools.engine_factory import (  # noqa: E402
-    ModelShape,
-    build_engine,
-    destroy_engine,
-    kvtier_backend,
-    load_lmcache_config,
-)
+from kvtier.tools.engine_factory import TINY as SHAPE  # noqa: E402
+from kvtier.tools.engine_factory import ModelShape, kvtier_backend, random_kv  # noqa: E402
 from kvtier.tools.redis_server import RedisServer, redis_server_binary  # noqa: E402
 
-SHAPE = ModelShape("kvtier-test/tiny", num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
 CHUNK = 16
 PORT = 16321
-REPO = Path(__file__).resolve().parent.parent
 
 
 def kv_for(tokens: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, SHAPE.num_layers, tokens, SHAPE.hidden, generator=g).to(SHAPE.dtype)
+    return random_kv(SHAPE, tokens, seed)
 
 
 @pytest.fixture
@@ -54,27 +45,16 @@ def redis_server(tmp_path):
 
 
 @pytest.fixture
-def engines(tmp_path):
+def engines(tmp_path, lmcache_yaml, lmcache_engines):
     """Factory: an engine from the shipped configs/lmcache-kvtier-redis.yaml (its own SSD directory)."""
     made = []
 
     def make(shape: ModelShape = SHAPE):
-        text = (REPO / "configs" / "lmcache-kvtier-redis.yaml").read_text()
-        text = text.replace("/var/cache/kvtier", str(tmp_path / f"ssd{len(made)}"))
-        text = text.replace("chunk_size: 256", f"chunk_size: {CHUNK}").replace("max_local_cpu_size: 5 ",
-                                                                            "max_local_cpu_size: 0.05 ")
-        text = text.replace("kvtier.ssd_capacity_gb: 100", "kvtier.ssd_capacity_gb: 0.05")
-        text = text.replace("redis://127.0.0.1:6379", f"redis://127.0.0.1:{PORT}")
-        path = tmp_path / f"lmcache-{len(made)}.yaml"
-        path.write_text(text)
-        e = build_engine(load_lmcache_config(str(path)), shape)
-        made.append(e)
-        return e
+        made.append(None)
+        return lmcache_engines(lmcache_yaml(CHUNK, 0.05, base="lmcache-kvtier-redis.yaml", redis_port=PORT,
+                                            ssd=tmp_path / f"ssd{len(made) - 1}"), shape)
 
-    yield make
-    for e in made:
-        detach_remote_backends(e)  # LMCache 0.5.6's own close of a redis:// backend never returns
-        destroy_engine(e)
+    return make
 
 
 def keys_of(engine, tokens):

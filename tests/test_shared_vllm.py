@@ -14,13 +14,7 @@ one step at a time over a pipe, so the test decides what runs where and when the
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import queue
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,146 +23,39 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
+from kvtier.tools.lmcache_yaml import write_lmcache_yaml  # noqa: E402
 from kvtier.tools.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.tools.vllm_engine import EngineProcess, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 REDIS_PORT = 16311
-BLOCK = CHUNK = 32
+CHUNK = 32
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 32 * 4  # K/V x layers x tokens x kv heads x head dim x fp32
 
-MODEL_SCRIPT = """
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, initializer_range=0.2)
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
-"""
+#: three engines at once on a small machine: no thread pinning, one OpenMP thread each
+ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
-def engine_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "LMCACHE_TRACK_USAGE": "false",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TRITON_INTERPRET": "0",
-                # three engines at once on a small machine: no thread pinning, one OpenMP thread each
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
-    return env
+class Engine(EngineProcess):
+    """One vLLM engine process (`kvtier.tools.vllm_engine`) taking prompts one batch at a time."""
 
-SERVE_SCRIPT = '''
-import json, sys
+    def __init__(self, work: Path, name: str, model: Path, kv_transfer_config: dict | None = None) -> None:
+        super().__init__(work, name, model, env=ENGINE_ENV, watchdog_s=1200, llm={
+            "max_model_len": 1024, "max_num_seqs": 4, "disable_log_stats": False,
+            "kv_transfer_config": kv_transfer_config})
 
-
-def main():
-    args = json.loads(open(sys.argv[1]).read())
-    import faulthandler
-
-    faulthandler.dump_traceback_later(args.get("watchdog_s", 1200), exit=True)
-    from vllm import LLM, SamplingParams
-
-    kw = {}
-    if args.get("kv_transfer_config"):
-        kw["kv_transfer_config"] = args["kv_transfer_config"]
-    llm = LLM(model=args["model"], skip_tokenizer_init=True, load_format="auto", dtype="float32",
-              enforce_eager=True, block_size=%(block)d, max_model_len=1024, enable_prefix_caching=False,
-              max_num_seqs=4, disable_log_stats=False, seed=0, **kw)
-    conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    print("KVTIER-READY", flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd.get("quit"):
-            break
-        sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], logprobs=0, ignore_eos=True)
-        res = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
-        out = {"outputs": [list(r.outputs[0].token_ids) for r in res]}
-        if conn is not None:
-            out.update(conn.scheduler_side.snapshot())
-            from kvtier.connector.metrics import kvtier_samples
-
-            out["metrics"] = kvtier_samples()
-        src = {}
-        for x in llm.get_metrics():
-            if x.name == "vllm:prompt_tokens_cached_by_source":
-                src[x.labels.get("source", "?")] = x.value
-        out["cached_by_source"] = src
-        print("KVTIER-RESULT " + json.dumps(out), flush=True)
-    llm.llm_engine.engine_core.shutdown()
-
-
-if __name__ == "__main__":
-    main()
-''' % {"block": BLOCK}
-
-
-class Engine:
-    """One vLLM engine process taking prompts over its stdin; always ended by `close()`."""
-
-    def __init__(self, work: Path, name: str, args: dict) -> None:
-        script = work / "serve.py"
-        script.write_text(SERVE_SCRIPT)
-        (work / f"{name}.args.json").write_text(json.dumps(args))
-        self.name = name
-        self.log = open(work / f"{name}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, str(script), str(work / f"{name}.args.json")], cwd=work,
-                                     env=engine_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, bufsize=1)
-        self.log_path = work / f"{name}.log"
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("KVTIER-"):
-                self._lines.put(line.rstrip("\n"))
-        self._lines.put(None)
-
-    def _line(self, prefix: str, timeout: float) -> str:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            line = None
-        if line is None or not line.startswith(prefix):
-            self.log.flush()
-            raise AssertionError(f"engine {self.name} gave no {prefix!r} (rc {self.proc.poll()}, got {line!r}):\n"
-                                 f"{self.log_path.read_text()[-6000:]}")
-        return line[len(prefix):]
-
-    def ready(self, timeout: float = 400) -> "Engine":
-        self._line("KVTIER-READY", timeout)
-        return self
-
-    def run(self, prompts: list[list[int]], max_tokens: int = 16, timeout: float = 300) -> dict:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._line("KVTIER-RESULT ", timeout))
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-        except Exception:
-            pass
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.log.close()
+    def run(self, prompts: list[list[int]], max_tokens: int = 16) -> dict:
+        """The outputs' token ids, with the connector's snapshot and metrics after the batch."""
+        res = self.generate(prompts, max_tokens, logprobs=True)
+        return {"outputs": [o["tokens"] for o in res["outputs"]], **self.stats()}
 
 
 def shared_yaml(work: Path, name: str) -> Path:
-    text = (REPO / "configs" / "lmcache-kvtier-redis.yaml").read_text()
-    text = text.replace("/var/cache/kvtier", str(work / f"ssd-{name}")).replace("chunk_size: 256",
-                                                                              f"chunk_size: {CHUNK}")
-    text = text.replace("max_local_cpu_size: 5 ", f"max_local_cpu_size: {64 * CHUNK_BYTES / (1 << 30):.9f} ")
-    text = text.replace("kvtier.ssd_capacity_gb: 100", "kvtier.ssd_capacity_gb: 0.05")
-    text = text.replace("redis://127.0.0.1:6379", f"redis://127.0.0.1:{REDIS_PORT}")
-    text = text.replace("    # retry_s: 5.0", "    retry_s: 0.5").replace("    # timeout_s: 2.0", "    timeout_s: 1.0")
-    path = work / f"lmcache-{name}.yaml"
-    path.write_text(text)
-    return path
+    return Path(write_lmcache_yaml(
+        work / f"lmcache-{name}.yaml", base="lmcache-kvtier-redis.yaml", ssd_path=work / f"ssd-{name}",
+        chunk_size=CHUNK, host_gb=f"{64 * CHUNK_BYTES / (1 << 30):.9f}", ssd_capacity_gb=0.05, redis_port=REDIS_PORT,
+        replace={"    # retry_s: 5.0": "    retry_s: 0.5", "    # timeout_s: 2.0": "    timeout_s: 1.0"}))
 
 
 def kv_config(yaml_path: Path, name: str) -> dict:
@@ -184,18 +71,14 @@ def cluster(tmp_path_factory):
     except RuntimeError as e:
         pytest.skip(str(e))
     work = tmp_path_factory.mktemp("shared")
-    model = work / "model"
-    subprocess.run([sys.executable, "-c", MODEL_SCRIPT, str(model)], check=True, capture_output=True,
-                   env=engine_env(), timeout=300)
+    model = Path(tiny_llama(work / "model"))
     redis = RedisServer(REDIS_PORT, work / "redis")
     engines: dict[str, Engine] = {}
     try:
         redis.start()
-        base = {"model": str(model)}
-        engines["ref"] = Engine(work, "ref", base)
+        engines["ref"] = Engine(work, "ref", model)
         for name in ("a", "b"):
-            engines[name] = Engine(work, name, dict(base, kv_transfer_config=kv_config(shared_yaml(work, name),
-                                                                                       name)))
+            engines[name] = Engine(work, name, model, kv_config(shared_yaml(work, name), name))
         for e in engines.values():
             e.ready()
         yield {"redis": redis, "work": work, **engines}

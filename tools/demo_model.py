@@ -35,15 +35,17 @@ def install_tokenizer(path: str) -> None:
         shutil.copyfile(os.path.join(tokenizer_dir(), name), os.path.join(path, name))
 
 
-def build(path: str, seed: int = 0) -> str:
-    """Write the demo model (config, weights, generation config, tokenizer) to `path` unless it is there."""
+def build(path: str, seed: int = 0, config: dict | None = None, tokenizer: bool = True) -> str:
+    """Write the demo model (config, weights, generation config, tokenizer) to `path` unless it is there.
+    `config` replaces `MODEL` (the tests' smaller Llamas: `kvtier.tools.vllm_engine`), `tokenizer=False` leaves
+    the tokenizer out (engines fed token ids)."""
     if not os.path.exists(os.path.join(path, "config.json")):
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(seed)
-        LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(path)
-    if not all(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        LlamaForCausalLM(LlamaConfig(**(MODEL if config is None else config))).save_pretrained(path)
+    if tokenizer and not all(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
         install_tokenizer(path)
     return path
 

@@ -73,11 +73,20 @@ class MPServer:
         return cmd + self.extra_args
 
     def start(self) -> "MPServer":
+        return self.launch().wait_ready()
+
+    def launch(self) -> "MPServer":
+        """Start the process without waiting for it (`wait_ready` waits): servers can start side by side."""
         env = dict(os.environ, LMCACHE_TRACK_USAGE="false", LMCACHE_DISABLE_BANNER="1")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout
+        self._launched = time.monotonic()
+        return self
+
+    def wait_ready(self) -> "MPServer":
+        """Until the HTTP admin API answers (`start_timeout` from `launch`); stops the server if it does not."""
+        deadline = self._launched + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.returncode = self.proc.returncode

@@ -133,12 +133,15 @@ def simulate(
     progress: Callable[[int], None] | None = None,
     score_from: float | None = None,
     decision_ns: list[int] | None = None,
+    host_flags: list[bool] | None = None,
 ) -> dict:
     """Run the two-tier model; returns counters. `ssd=None` or `ssd_blocks=None` means an unbounded SSD.
     `score_from`: count hits and misses only for requests arriving at or after this time (seconds); earlier
     requests still run through the tiers (they warm the caches and the policies' online learning).
     `decision_ns`: when given, the wall time of every host eviction decision (victims() until it has freed
-    enough, with the on_remove calls) is appended to it, in nanoseconds."""
+    enough, with the on_remove calls) is appended to it, in nanoseconds.
+    `host_flags`: when given, whether each block access (every request, scored or not, in replay order) was a
+    host-tier hit is appended to it (`tools.eviction_loss` reads where a policy's hits fall short from it)."""
     clock = clock or ReplayClock()
     always = _always
     perf_ns = time.perf_counter_ns
@@ -165,7 +168,11 @@ def simulate(
             if k in host:
                 host_hits += scored
                 host.on_access(k)
+                if host_flags is not None:
+                    host_flags.append(True)
                 continue
+            if host_flags is not None:
+                host_flags.append(False)
             if index is not None:
                 entries = index.begin_read((k,))
                 if entries[0] is not None:

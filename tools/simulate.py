@@ -25,6 +25,11 @@ The modelled system (one GPU; all choices below are the simulator's, documented 
   earlier chunks have landed by then (GPU cache, host tier, SSD queue); the last chunk's blocks are *computing*
   until the prefill ends. A request admitted in that window whose prompt continues into them recomputes them,
   unless delay-hit avoidance holds it until they land (`+delay-hit`). Its work starts when the GPU is free.
+  Loads count too: SSD blocks of a waiting request that another request's prefetch is reading are in its hint's
+  `inflight_tokens`, and a recompute of them is counted `inflight`; with `+delay-hit` the idle-GPU re-plan
+  does not recompute them, nor with `+own-loads` an SSD part whose own read is issued
+  (`DualQueuePolicy.replan_idle`). The re-plan charges a recompute with the work arriving during the read at the
+  GPU's busy share, which the simulator reports at each idle moment (`observe_gpu_busy`; `+eager-replan`: not).
 - A prefix is used up to its first block that is resident nowhere (or still computing); everything after is
   recomputed. The load plan may cut it earlier: a plan that recomputes the SSD part uses only what is on the GPU
   or in host memory at admission.
@@ -35,6 +40,9 @@ The modelled system (one GPU; all choices below are the simulator's, documented 
   at a time; a read skips blocks an earlier read already brought into host memory), ready queue by
   arrival (or HRRN by uncached service time), oversized requests skipped, the starvation bound, the load plan
   (off with `+always-load`); blocks of waiting requests are pinned in the host tier.
+- Replicas and a tier shared by them (issue 13): `--replicas N --routing ... --remote[-gbps|-latency-ms|-gb]` run
+  N of these simulators on one clock in front of one store (`kvtier.tools.sim_remote`, which documents that model);
+  `remote` is then this replica's view of the store (write-through of computed chunks, REMOTE hints, prefetches).
 - Times: queueing time = GPU-job start - arrival (includes waiting for an SSD prefetch and for the GPU);
   TTFT = first token - arrival.
 - Load: arrival times are multiplied by `time_scale`. By default it is chosen so that FCFS's GPU work (including
@@ -196,6 +204,8 @@ class _Job:
     host_bytes: int
     sync_bytes: int
     sync_blocks: list[int]
+    sync_remote_bytes: int = 0  #: read synchronously from the shared tier (after the SSD part), GPU stalled
+    sync_remote_blocks: list[int] = field(default_factory=list)
     start: float = math.inf
     compute_start: float = math.inf
     lc: float = math.inf  #: when its last prefill chunk starts (the next admission opens)
@@ -237,7 +247,7 @@ def _percentile(xs: Sequence[float], q: float) -> float:
 class Simulator:
     """One replay. `run()` returns a `SimResult`; the object keeps its state for inspection (tests)."""
 
-    def __init__(self, requests: Sequence[SimRequest], config: SimConfig) -> None:
+    def __init__(self, requests: Sequence[SimRequest], config: SimConfig, remote=None) -> None:
         self.config = config
         self.cost: CostProfile = get_profile(config.profile)
         self.gpu_cap = int(config.gpu_kv_tokens or self.cost.gpu_kv_tokens)
@@ -298,6 +308,13 @@ class Simulator:
         self.ssd_write_bytes = 0
         self.tokens = {"gpu": 0, "host": 0, "ssd_prefetch": 0, "ssd_sync": 0, "computed": 0}
         self.recomputed = {"inflight": 0, "plan": 0, "evicted": 0}
+        #: the shared tier as this replica sees it (`kvtier.tools.sim_remote.RemoteView`; None: no shared tier)
+        self.remote = remote if self.tiers else None
+        self.remote_reading: dict[str, list[int]] = {}  # request -> blocks its shared-tier read brings
+        self.remote_staged: dict[str, set[int]] = {}  # blocks of `staged` that came from the shared tier
+        self.ssd_reading: set[str] = set()  # requests whose SSD read is in flight
+        if self.remote is not None:
+            self.tokens.update(remote=0, remote_sync=0)
         self.last_event = 0.0
         self._decision_s = 0.0
         self._decisions = 0
@@ -355,7 +372,10 @@ class Simulator:
             else:
                 stop = i
                 break
-        return gpu, walk_prefix(chunks), stop
+        res = walk_prefix(chunks)
+        if self.remote is not None and stop < len(r.blocks):
+            res, stop = self.remote.extend_walk(r, res, stop, staged)
+        return gpu, res, stop
 
     def _running_s(self) -> float:
         """GPU seconds left of the admitted jobs."""
@@ -372,17 +392,39 @@ class Simulator:
                            ssd_wait_s=ssd_ahead / (self.cost.ssd_read_bytes_per_s * share), ssd_read_share=share)
 
     def _read_s(self, hint: TierHint) -> float:
-        """Seconds until `hint`'s SSD part lands: its read's remainder if issued, else if it were issued next."""
+        """Seconds until `hint`'s SSD part lands: its read's remainder if issued (or if another request's read in
+        flight brings all of it), else if it were issued next."""
         rate = self.cost.ssd_read_bytes_per_s * self.dev.current_read_share()
-        if hint.state is TierState.LOADING:
+        r = self.waiting.get(hint.request_id)
+        riding = r is not None and self._ssd_part_loading(r)[1]
+        if hint.state is TierState.LOADING or riding:
             return self.dev.read_backlog / rate
         return (self.dev.read_backlog + hint.ssd_bytes) / rate
+
+    def _ssd_part_loading(self, r: SimRequest) -> tuple[int, bool]:
+        """(tokens of `r`'s SSD-only prefix blocks that another request's read in flight is bringing into host
+        memory, whether that is all of its SSD part): Strata's delay hit covers loads as well as computations."""
+        if not self.loading:
+            return 0, False
+        n, whole = 0, True
+        staged = self.staged.get(r.rid, ())
+        for i, b in enumerate(r.blocks):
+            if b in self.gpu or b in self.host or b in staged:
+                continue
+            if b not in self.ssd:
+                break
+            owner = self.loading.get(b)
+            if owner is not None and owner != r.rid:
+                n += self._block_tokens(r, i)
+            else:
+                whole = False
+        return n, whole and n > 0
 
     def _hint(self, r: SimRequest) -> TierHint:
         """What the connector would publish for `r` now (`derive_tier_hint` over the simulator's tiers)."""
         gpu, res, stop = self._walk(r)
         owners = ((self.computing.get(b), self._block_tokens(r, stop + k)) for k, b in enumerate(r.blocks[stop:]))
-        inflight = count_inflight(owners, r.rid)
+        inflight = count_inflight(owners, r.rid) + self._ssd_part_loading(r)[0]
         phase = self.phase.get(r.rid, PrefetchPhase.NONE)
         planner = self.planner if self.tiers else None
         t0 = time.perf_counter()
@@ -396,7 +438,7 @@ class Simulator:
     def _publish(self, rid: str, new: bool = False) -> TierHint:
         r = self.waiting[rid]
         hint = self._hint(r)
-        if self.prefetching and hint.state is TierState.PREPARING and \
+        if self.prefetching and hint.state.waits_for_prefetch and \
                 self.phase.get(rid, PrefetchPhase.NONE) is PrefetchPhase.NONE:
             self.phase[rid] = PrefetchPhase.QUEUED  # the connector queues its prefetch
         if hint.inflight_tokens > 0:
@@ -500,7 +542,7 @@ class Simulator:
             elif what[0] == "prefetch":
                 self._on_prefetch_done(what[1], what[2])
             else:  # a synchronous read: the stalled job computes
-                self._compute(what[1], self.now)
+                self._after_sync_ssd(what[1])
 
     def _ssd_schedule(self) -> None:
         t = self.dev.next_event_time()
@@ -536,27 +578,48 @@ class Simulator:
             r = self.waiting[rid]
             staged = self.staged.setdefault(rid, set())
             todo: list[int] = []
-            for b in r.blocks:
+            miss = len(r.blocks)
+            for i, b in enumerate(r.blocks):
                 if b in self.gpu or b in self.host or b in staged:
                     continue
                 if b in self.ssd:
                     todo.append(b)
                     continue
+                miss = i
                 break
+            rtodo = self.remote.prefix(r.blocks[miss:]) if self.remote is not None else []
             self.phase[rid] = PrefetchPhase.INFLIGHT
+            if rtodo:  # the shared-tier part is read at once, beside the SSD part; it holds this prefetch slot
+                self.reading = rid
+                self.read_order.append(rid)
+                self.remote_reading[rid] = rtodo
+                self.remote.read(rid, rtodo)
+                if not todo:
+                    return
             if not todo:  # an earlier read brought its data meanwhile
                 self._reevaluate(rid)
                 continue
+            self.ssd_reading.add(rid)
             nbytes = sum(self.ssd[b] for b in todo)
             for b in todo:
                 self.loading[b] = rid
             self.reading = rid
-            self.read_order.append(rid)
+            if not rtodo:
+                self.read_order.append(rid)
             self.dev.submit_read(self.now, ("prefetch", rid, todo), nbytes)
+            riders: set[str] = set()
+            for b in todo:
+                riders |= self.waiters_of.get(b, set())
+            riders.discard(rid)
+            for w in riders:  # their SSD part is in flight now: their hints count it (delay hit on a load)
+                self._publish(w)
             return
 
     def _on_prefetch_done(self, rid: str, blocks: list[int]) -> None:
-        self.reading = None
+        self.ssd_reading.discard(rid)
+        remote_pending = rid in self.remote_reading  # its shared-tier read finishes the prefetch
+        if not remote_pending:
+            self.reading = None
         waiting = rid in self.waiting
         staged = self.staged.setdefault(rid, set()) if waiting else None
         for b in blocks:
@@ -569,6 +632,28 @@ class Simulator:
                 self._pin(rid, b)
             if staged is not None:
                 staged.add(b)
+        if waiting and not remote_pending:
+            self._reevaluate(rid)
+        self._refresh_inflight()
+
+    def _on_remote_done(self, rid: str, blocks: list[int], nbytes: dict[int, int]) -> None:
+        """A shared-tier prefetch landed: its chunks go into host memory, pinned for the request (as an SSD one)."""
+        self.remote_reading.pop(rid, None)
+        waiting = rid in self.waiting
+        if waiting:
+            staged = self.staged.setdefault(rid, set())
+            mine = self.remote_staged.setdefault(rid, set())
+            for b in blocks:
+                if self._host_insert(b, nbytes[b]):
+                    self._pin(rid, b)
+                staged.add(b)
+                mine.add(b)
+        else:
+            for b in blocks:
+                self._host_insert(b, nbytes[b])
+        if rid in self.ssd_reading:
+            return  # its SSD read finishes the prefetch
+        self.reading = None
         if waiting:
             self._reevaluate(rid)
         self._refresh_inflight()
@@ -577,7 +662,7 @@ class Simulator:
         """After its read: promote the request, or queue it again if part of its prefix left the host tier."""
         r = self.waiting[rid]
         _, res, _ = self._walk(r)
-        if res.ssd_tokens == 0:
+        if res.ssd_tokens == 0 and getattr(res, "remote_tokens", 0) == 0:
             self.phase[rid] = PrefetchPhase.DONE
             self._pin_prefix(r)
             hint = self._hint(r)
@@ -604,8 +689,11 @@ class Simulator:
     def _try_dispatch(self) -> bool:
         free = max(self.gpu_cap - self.held, 0)
         t0 = time.perf_counter()
+        idle = not self.jobs and self.planner is not None and self.tiers
+        if idle:  # nothing runs: the busy total is exact now (a job's busy time is booked when it starts computing)
+            self.policy.observe_gpu_busy(self.now, self.gpu_busy_s)  # type: ignore[attr-defined]
         rid = self.policy.pick(self.now, free)
-        if rid is None and not self.jobs and self.planner is not None and self.tiers:
+        if rid is None and idle:
             rid = self.policy.replan_idle(self._read_s, free)  # type: ignore[attr-defined]
             if rid is not None:
                 self.phase[rid] = PrefetchPhase.NONE  # its prefetch is dropped: it recomputes the SSD part
@@ -628,12 +716,17 @@ class Simulator:
         plan = hint.plan
         use_host = plan is None or plan.host is not LoadAction.RECOMPUTE
         staged = self.staged.pop(rid, set())
+        rstaged = self.remote_staged.pop(rid, set())
         kv = self.kv
-        cached = host_b = sync_b = 0
+        cached = host_b = sync_b = sync_rb = 0
         sync_blocks: list[int] = []
+        sync_remote: list[int] = []
         stop = len(r.blocks)
         cut_by_plan = False
         for i, b in enumerate(r.blocks):
+            if sync_remote and (b not in self.remote or b in self.gpu):  # the shared tier's part is a prefix tail
+                stop = i
+                break
             t = self._block_tokens(r, i)
             if b in self.gpu:
                 self.tokens["gpu"] += t
@@ -642,7 +735,7 @@ class Simulator:
                 stop, cut_by_plan = i, True
                 break
             elif b in staged:
-                self.tokens["ssd_prefetch"] += t
+                self.tokens["remote" if b in rstaged else "ssd_prefetch"] += t
                 host_b += t * kv
             elif b in self.host:
                 self.tokens["host"] += t
@@ -656,6 +749,10 @@ class Simulator:
                 sync_b += t * kv
                 sync_blocks.append(b)
                 self.ssd.move_to_end(b)
+            elif self.sync_reads and self.remote is not None and b in self.remote:
+                self.tokens["remote_sync"] += t
+                sync_rb += t * kv
+                sync_remote.append(b)
             else:
                 stop = i
                 cut_by_plan = b in self.ssd
@@ -663,7 +760,9 @@ class Simulator:
             cached += t
         if stop < len(r.blocks):  # blocks past the cut that existed are recomputed, for the cut's reason
             b0 = r.blocks[stop]
-            why = "plan" if cut_by_plan else ("inflight" if b0 in self.computing or b0 in self.loading else "evicted")
+            loaded_by_other = self.loading.get(b0, rid) != rid  # another request's read was bringing it
+            why = "inflight" if b0 in self.computing or loaded_by_other else ("plan" if cut_by_plan else (
+                "inflight" if b0 in self.loading else "evicted"))
             for k, b in enumerate(r.blocks[stop:]):
                 if b in self.seen or b in self.computing or b in self.loading or b in staged:
                     self.recomputed[why] += self._block_tokens(r, stop + k)
@@ -683,8 +782,9 @@ class Simulator:
         split = stop
         while split < len(r.blocks) and (split + 1) * self.config.block_tokens <= before_last:
             split += 1
-        job = _Job(r, stop, split, cached, new, host_b, sync_b, sync_blocks)
-        job.estimate_s = self.cost.ssd_read_time(sync_b) + self.cost.host_to_gpu_time(host_b + sync_b) + \
+        job = _Job(r, stop, split, cached, new, host_b, sync_b, sync_blocks, sync_rb, sync_remote)
+        job.estimate_s = self.cost.ssd_read_time(sync_b) + self.cost.host_to_gpu_time(host_b + sync_b + sync_rb) + \
+            (self.remote.read_time(sync_rb) if sync_rb else 0.0) + \
             self.cost.prefill_time(new, cached) + self.cost.decode_gpu_time(r.output_tokens, r.input_tokens)
         self.jobs.append(job)
         if len(self.jobs) == 1:
@@ -699,12 +799,18 @@ class Simulator:
         if job.sync_bytes:
             self.dev.submit_read(self.now, ("sync", job), job.sync_bytes)  # the GPU stalls until it is read
         else:
+            self._after_sync_ssd(job)
+
+    def _after_sync_ssd(self, job: _Job) -> None:
+        if job.sync_remote_bytes:  # then the shared tier's part, still stalled (LMCache's synchronous retrieve)
+            self.remote.read_sync(job)
+        else:
             self._compute(job, self.now)
 
     def _compute(self, job: _Job, t0: float) -> None:
         r = job.r
         cost = self.cost
-        load = cost.host_to_gpu_time(job.host_bytes + job.sync_bytes)
+        load = cost.host_to_gpu_time(job.host_bytes + job.sync_bytes + job.sync_remote_bytes)
         prefill = cost.prefill_time(job.new, job.cached)
         job.compute_start = t0
         job.first = t0 + load + prefill
@@ -732,6 +838,8 @@ class Simulator:
             if self.tiers and t == self.config.block_tokens:  # the connector stores full chunks only
                 self._host_insert(b, nbytes)
                 self._ssd_write(b, nbytes)
+                if self.remote is not None:  # `writes: all`: written through to the shared tier
+                    self.remote.write(b, nbytes)
 
     def _on_landing(self, job: _Job) -> None:
         if job.split > job.stop:
@@ -745,6 +853,8 @@ class Simulator:
         for b in job.sync_blocks:  # read synchronously: now also in host memory
             if b not in self.host and b in self.ssd:
                 self._host_insert(b, self.ssd[b])
+        for b in job.sync_remote_blocks:
+            self._host_insert(b, self._block_tokens(r, r.blocks.index(b)) * self.kv)
         self._land(job, job.split, len(r.blocks))
         self._refresh_inflight()
 
@@ -761,43 +871,69 @@ class Simulator:
 
     # --- main loop -----------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
+        self.begin()
+        try:
+            while self._events:
+                self.step()
+        finally:
+            self._bar.close()
+        return self.finish()
+
+    # one replay in steps, so that several replicas can share one clock (`kvtier.tools.sim_remote.Cluster`)
+    def begin(self) -> None:
+        """Queue the arrivals (call once, before `step`)."""
         from tqdm import tqdm
 
         scale = self.config.time_scale
         for r in self.requests:
             self._push(r.arrival * scale, _ARRIVAL, r)
-        first_arrival = self.requests[0].arrival * scale if self.requests else 0.0
-        bar = tqdm(total=len(self.requests), desc=self.config.scheduler, unit="req", disable=not self.config.progress,
-                   leave=False)
-        events = self._events
-        try:
-            while events:
-                t, _, kind, data = heapq.heappop(events)
-                self.now = t
-                self._ssd_drain()
-                if kind == _ARRIVAL:
-                    if not self._on_arrival(data):  # type: ignore[arg-type]
-                        bar.update(1)
-                elif kind == _SSD_EVENT:
-                    if self._ssd_next == t:
-                        self._ssd_next = None
-                elif kind == _LANDING:
-                    self._on_landing(data)  # type: ignore[arg-type]
-                elif kind == _PREFILL_DONE:
-                    self._on_prefill_done(data)  # type: ignore[arg-type]
-                elif kind == _GPU_FREE:
-                    self._on_gpu_free(data)  # type: ignore[arg-type]
-                elif kind == _DECODE_DONE:
-                    self._on_decode_done(data)  # type: ignore[arg-type]
-                    bar.update(1)
-                    self.last_event = max(self.last_event, t)
-                self._kick()
-                self._ssd_schedule()
-        finally:
-            bar.close()
+        self._first_arrival = self.requests[0].arrival * scale if self.requests else 0.0
+        self._bar = tqdm(total=len(self.requests), desc=self.config.scheduler, unit="req",
+                         disable=not self.config.progress, leave=False)
+
+    def next_time(self) -> float:
+        """When this replica's next event is due (inf: none)."""
+        return self._events[0][0] if self._events else math.inf
+
+    def step(self) -> None:
+        """Handle the next event."""
+        t, _, kind, data = heapq.heappop(self._events)
+        self.now = t
+        self._ssd_drain()
+        if kind == _ARRIVAL:
+            if not self._on_arrival(data):  # type: ignore[arg-type]
+                self._bar.update(1)
+        elif kind == _SSD_EVENT:
+            if self._ssd_next == t:
+                self._ssd_next = None
+        elif kind == _LANDING:
+            self._on_landing(data)  # type: ignore[arg-type]
+        elif kind == _PREFILL_DONE:
+            self._on_prefill_done(data)  # type: ignore[arg-type]
+        elif kind == _GPU_FREE:
+            self._on_gpu_free(data)  # type: ignore[arg-type]
+        elif kind == _DECODE_DONE:
+            self._on_decode_done(data)  # type: ignore[arg-type]
+            self._bar.update(1)
+            self.last_event = max(self.last_event, t)
+        self.settle()
+
+    def settle(self) -> None:
+        """After anything changed: admit, issue prefetches, schedule the SSD's next event."""
+        self._kick()
+        self._ssd_schedule()
+
+    def external(self, t: float, fn, *args) -> None:
+        """Handle an event from outside this replica (the shared tier's) at time `t`."""
+        self.now = t
+        self._ssd_drain()
+        fn(*args)
+        self.settle()
+
+    def finish(self) -> SimResult:
         if self.waiting:
             logger.warning("%d requests never ran (policy %s)", len(self.waiting), self.config.scheduler)
-        return self._result(first_arrival)
+        return self._result(self._first_arrival)
 
     def _kick(self) -> None:
         # admissions first: an idle GPU may take a request whose read is not issued yet (the idle re-plan)
@@ -933,6 +1069,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd-write-buffer-gb", type=float, default=2.0,
                         help="queued write-back before writes are dropped (default 2, production's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from kvtier.tools import sim_remote  # issue 13: replicas and a shared tier
+
+    sim_remote.add_arguments(parser)
 
 
 def _schedulers(arg: str) -> list[str]:
@@ -981,6 +1120,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"time scale {scale:.3f} ({'given' if args.time_scale is not None else 'auto'}): "
           f"load factor {load_factor:.3f} (FCFS GPU work {work:.0f} s / scaled span {span * scale:.0f} s)"
           f"  [calibration {time.perf_counter() - t0:.1f} s]")
+    from kvtier.tools import sim_remote
+
+    if sim_remote.wanted(args):
+        return sim_remote.run(args, reqs, base, names, scale)
     results: list[SimResult] = []
     for n in names:
         res = simulate(reqs, replace(base, scheduler=n, time_scale=scale))

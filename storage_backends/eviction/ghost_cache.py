@@ -186,6 +186,8 @@ class GhostBelady:
         #: P(hit | bucket); optimistic 1.0 until the first run
         self.hit_prob: list[float] = [1.0] * K
         self.last_capacity = 0
+        self._version = 0  # bumped by every new access and run: label_horizon() is cached between bumps
+        self._lh: tuple[int, float, float, float] | None = None  # (version, min, max, horizon)
 
     def memory_items(self) -> int:
         return len(self._trace)
@@ -201,6 +203,7 @@ class GhostBelady:
         """`record` for a key the caller already knows is sampled (`key_sample(key, sample_rate)`)."""
         self._trace.append([key, now, context])
         self._since += 1
+        self._version += 1
         if (len(self._trace) >= self.first_run if not self.runs
                 else self._since >= self.refresh and len(self._trace) >= min(self.window, 2 * self.refresh)):
             self._since = 0
@@ -212,6 +215,10 @@ class GhostBelady:
         """How old a sampled access is when it gets its label: the reuse time beyond which the optimum hardly hits
         (hit_prob <= 2%), within [min_label_horizon, max_label_horizon], and at most half the time the window
         spans (older accesses leave the window unlabelled)."""
+        lh = self._lh
+        if lh is not None and lh[0] == self._version and lh[1] == self.min_label_horizon \
+                and lh[2] == self.max_label_horizon:
+            return lh[3]
         h = self.buckets.horizon
         for b, p in enumerate(self.hit_prob):
             if p <= 0.02:
@@ -220,6 +227,7 @@ class GhostBelady:
         h = min(self.max_label_horizon, max(self.min_label_horizon, h))
         if self._trace:
             h = min(h, (self._trace[-1][1] - self._trace[0][1]) / 2)
+        self._lh = (self._version, self.min_label_horizon, self.max_label_horizon, h)
         return h
 
     def rerun(self, capacity_blocks: int) -> None:
@@ -259,6 +267,7 @@ class GhostBelady:
                 cur = 0.0  # beyond what the window can show
             out.append(cur)
         self.hit_prob = out
+        self._version += 1
         if self.label_sink is not None and trace:
             self._label(trace, hits, nxt)
         logger.debug("ghost belady run %d: cap=%d window=%d hit_prob=%s", self.runs, cap, len(trace), out)
