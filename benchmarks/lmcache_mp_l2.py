@@ -12,8 +12,8 @@ of LMCache's `L1MemoryManager`, 32 MiB each (a 256-token Llama-3-8B chunk).
 - Checksums on: kvtier verifies a CRC-32 per 32 MiB segment on every load (it always does); LMCache's adapters have
   none. The first batch each adapter loads is compared with the stored bytes outside the timing.
 - Interleaved: the work is cut into batches of 8 chunks (256 MiB, one 2048-token request); every adapter stores
-  (then loads) batch b before any moves on to b+1, in an order rotating per batch, so the disk's drift hits all
-  alike. Reported: GB/s per batch (median, p10, p90) and the median over batches of kvtier's GB/s over the best
+  (then loads) batch b before any moves on to b+1, in an order rotating by len(adapters)/batches per batch (printed
+  for the first repeat), so each adapter's positions in a batch average alike and the disk's drift hits all alike. Reported: GB/s per batch (median, p10, p90) and the median over batches of kvtier's GB/s over the best
   LMCache adapter's (the one with the highest median) GB/s in the same batch (targets: loads >= 1.0x, durable
   stores >= 1.2x); also against the fastest LMCache adapter of each batch, and against each one.
 
@@ -181,8 +181,13 @@ def one_repeat(r: int, root: str, n_batches: int, rows: dict[str, list[float]], 
     try:
         for phase in ("store", "load"):
             for b in tqdm(range(n_batches), desc=f"repeat {r + 1}: {phase}", leave=False):
-                k = b % len(order)
-                for name in order[k:] + order[:k]:
+                # Rotate by len/n_batches per batch: over the run every adapter's positions average alike
+                # (rotating by one per batch with fewer batches than adapters kept the last-listed ones late).
+                k = (b * len(order)) // n_batches % len(order)
+                batch_order = order[k:] + order[:k]
+                if r == 0:
+                    tqdm.write(f"  {phase} order, batch {b}: " + ", ".join(batch_order))
+                for name in batch_order:
                     m = methods[name]
                     if phase == "load":
                         drop_caches()

@@ -6,8 +6,9 @@ LocalDiskBackend issue), so "best raw read" is the disk's best with either.
 
 All in one run on the same disk: durable writes (O_DIRECT or fsync'd), cold reads (page cache dropped before every
 timed read; needs root). The work is cut into batches of one LMCache request (8 chunks, 256 MiB); every method
-writes (then reads) batch b before any moves on, in an order rotating per batch, so the disk's drift over seconds
-and minutes hits all methods alike. Reports GB/s per batch (median, p10, p90) and, per target, the median over
+writes (then reads) batch b before any moves on, in an order rotating by len(methods)/batches per batch (printed
+for the first repeat), so each method's positions in a batch average alike and the disk's drift over seconds and
+minutes hits all methods alike. --ab-read-piece-mib N adds the same plugin with reads pieced at N MiB (A/B). Reports GB/s per batch (median, p10, p90) and, per target, the median over
 batches of the plugin's GB/s over the baseline's in the same batch. Plus the index rebuild time of a tier
 holding 100k committed slots.
 
@@ -34,6 +35,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
+from kvtier.storage_backends import ssd_io  # noqa: E402
 from kvtier.storage_backends.posix_io import aligned_buffer, open_file, pread_full, pwrite_full  # noqa: E402
 from kvtier.tools.engine_factory import (  # noqa: E402
     ModelShape,
@@ -206,14 +208,24 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
         BASELINES[1]: (f"local_disk: file://{tmp}/ldo-{r}/\nmax_local_disk_size: {cap}\n"
                        "extra_config:\n  use_odirect: true\n", wait_local_disk, local_disk),
     }
+    if args.ab_read_piece_mib:
+        # A/B in the same run: the same plugin with reads pieced at another size (e.g. one piece per segment)
+        engines[f"{PLUGIN} piece {args.ab_read_piece_mib} MiB"] = (
+            engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-b-{r}"), wait_kvtier, kvtier_backend)
     methods: dict[str, EngineMethod] = {}
     raw = RawFile(os.path.join(tmp, f"raw-{r}.dat"))
     raw_b = RawFile(os.path.join(tmp, f"rawb-{r}.dat"))
     raw_big = RawFile(os.path.join(tmp, f"rawbig-{r}.dat"), block=32 << 20)  # the plugin's request size
     try:
         for name, (body, wait, backend_of) in engines.items():
-            methods[name] = EngineMethod(engine_yaml(tmp, f"{name}-{r}".replace(" ", "_"), chunk, host_gb, body),
-                                         shape, chunk, wait, backend_of)
+            if name.startswith(f"{PLUGIN} piece"):
+                ssd_io.READ_PIECE, keep = args.ab_read_piece_mib << 20, ssd_io.READ_PIECE  # read at SlotIO's start
+            try:
+                methods[name] = EngineMethod(engine_yaml(tmp, f"{name}-{r}".replace(" ", "_"), chunk, host_gb, body),
+                                             shape, chunk, wait, backend_of)
+            finally:
+                if name.startswith(f"{PLUGIN} piece"):
+                    ssd_io.READ_PIECE = keep
 
         def rec(name: str, dt: float, cpu: float, nbytes: int) -> None:
             rows.setdefault(name, []).append(nbytes / dt / 1e9 if nbytes else float("nan"))
@@ -238,8 +250,14 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
                     m.clear_host()
             for b in tqdm(range(n_batches), desc=f"repeat {r + 1}/{args.repeats}: {phase}", leave=False):
                 lo, hi = b * batch_bytes, (b + 1) * batch_bytes
-                k = b % len(todo)
-                for name, fn in todo[k:] + todo[:k]:
+                # Rotate by len/n_batches per batch, so that over the run every method's positions average
+                # alike (rotating by one per batch with fewer batches than methods kept the last-listed methods
+                # late in every batch).
+                k = (b * len(todo)) // n_batches % len(todo)
+                order = todo[k:] + todo[:k]
+                if r == 0:
+                    tqdm.write(f"  {phase} order, batch {b}: " + ", ".join(name for name, _ in order))
+                for name, fn in order:
                     if phase == "read":
                         drop_caches()
                     rec(name, *timed(lambda: fn(b, lo, hi)))
@@ -254,7 +272,7 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
             if os.path.exists(f):
                 os.unlink(f)
         for d in os.listdir(tmp):
-            if d.startswith(("kvtier-", "ld-", "ldo-")):
+            if d.startswith(("kvtier-", "ld-", "ldo-")):  # kvtier-b-: the A/B plugin
                 shutil.rmtree(os.path.join(tmp, d), ignore_errors=True)
 
 
@@ -295,6 +313,9 @@ def main() -> int:
     ap.add_argument("--chunk-mib", type=int, default=32, help="chunk size (Llama-3-8B, 256 tokens = 32 MiB)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--ab-read-piece-mib", type=int, default=0,
+                    help="also run the plugin with reads pieced at this size (A/B in the same run; 32 = one piece "
+                         "per 32 MiB segment, i.e. unpieced reads)")
     ap.add_argument("--one-repeat", type=int, default=None, help=argparse.SUPPRESS)  # child process of a repeat
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--kvtier", action="append", default=[], metavar="KEY=VALUE",
@@ -343,6 +364,10 @@ def main() -> int:
         goal = f"(target >= {target})" if target else ""
         verdict = "" if target is None else ("PASS" if med >= target else "miss")
         print(f"  {num.split()[-1]} / {label:<28}= {med:5.2f}  {goal} {verdict}")
+    for b_name in [k[:-len(" read")] for k in rows if k.startswith(f"{PLUGIN} piece") and k.endswith(" read")]:
+        for op in ("read", "write"):
+            print(f"  A/B {op}: {PLUGIN} / {b_name} = {paired(rows[f'{PLUGIN} {op}'], rows[f'{b_name} {op}']):.2f}; "
+                  f"{b_name} / {BASELINES[1]} = {paired(rows[f'{b_name} {op}'], rows[f'{BASELINES[1]} {op}']):.2f}")
     for base in BASELINES:
         best = paired(best_of(rows, raw_reads), rows[f"{base} read"])
         print(f"  ceiling: best raw read / {base} read = {best:.2f} (the most any reader here shows against it)")

@@ -21,6 +21,7 @@ from typing import Annotated
 
 import msgspec
 from isal.isal_zlib import crc32 as _isal_crc32
+from isal.isal_zlib import crc32_combine as _isal_crc32_combine
 
 HEADER_SIZE = 4096
 SLOT_MAGIC = b"KVTSLOT1"
@@ -103,6 +104,15 @@ def checksum(data) -> int:
     return _isal_crc32(data)
 
 
+def combine_checksums(parts: list[tuple[int, int]]) -> int:
+    """The CRC-32 of consecutive byte ranges from each range's (CRC-32, length): what `checksum` of their
+    concatenation returns, without reading the bytes again (so the ranges can be checked as they arrive)."""
+    crc, _ = parts[0]
+    for part, n in parts[1:]:
+        crc = _isal_crc32_combine(crc, part, n)
+    return crc
+
+
 def segment_count(nbytes: int, seg: int) -> int:
     return max(1, -(-nbytes // seg))
 
@@ -110,6 +120,11 @@ def segment_count(nbytes: int, seg: int) -> int:
 def segments(nbytes: int, seg: int) -> list[tuple[int, int]]:
     """The `[lo, hi)` byte ranges of a chunk's data segments (one empty segment for an empty chunk)."""
     return [(lo, min(lo + seg, nbytes)) for lo in range(0, nbytes, seg)] or [(0, 0)]
+
+
+def pieces(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` cut into ranges of at most `size` bytes (one empty range for an empty one)."""
+    return [(a, min(a + size, hi)) for a in range(lo, hi, size)] or [(lo, hi)]
 
 
 def encode_header(h: SlotHeader, out: memoryview) -> None:

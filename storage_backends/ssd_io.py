@@ -5,8 +5,9 @@ It moves bytes and says whether they are good; it decides nothing about which ch
   caller's buffer where aligned, else through a per-thread bounce buffer) while their CRC-32s are computed on the
   checksum threads; then the header (key, generation, sizes, dtype, shape, format, CRCs) is written; then every file
   touched is `fdatasync`ed. Only after that may the caller append the chunks' COMMIT records (`commit`, fsync'd).
-- `read`: the header travels with the first data segment (one request), the other segments in parallel, straight
-  into the destination; the header must name the expected key, generation and metadata and every segment's CRC must
+- `read`: every segment is read in pieces of at most READ_PIECE, all in parallel, straight into the destination
+  (the header travels with the first piece, one request); each piece's CRC-32 is computed as soon as it lands and
+  the pieces' CRCs are combined into the segment's, so checking a batch trails its last byte by one piece; the header must name the expected key, generation and metadata and every segment's CRC must
   match, or the read's verdict is the reason it failed (never wrong bytes reported as good).
 - `free`: FREE records are appended without fsync and never raise (a lost FREE record costs nothing: the slot's
   next COMMIT supersedes it, and a resurrected chunk is still verified on read).
@@ -46,8 +47,10 @@ from kvtier.storage_backends.slot_format import (
     FreeRecord,
     SlotHeader,
     checksum,
+    combine_checksums,
     decode_header,
     encode_header,
+    pieces,
     segments,
 )
 
@@ -55,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 #: threads computing segment checksums beside the I/O threads
 _CRC_THREADS = 2
+#: reads cut each segment into pieces of at most this size, each its own request, checked as soon as it lands:
+#: the checksums of a batch then trail its last byte by one piece, not by a whole segment per I/O thread
+READ_PIECE = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,10 @@ class SlotIO:
         self.engine = select_engine(io_engine)
         self._kvikio = KvikioFiles(io_threads) if self.engine == "kvikio" else None
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+        #: reads: as many threads as keep `io_threads` whole segments in flight in pieces
+        self.read_piece = min(READ_PIECE, max(ALIGN, seg))
+        self._rd = ThreadPoolExecutor(max_workers=io_threads * -(-seg // self.read_piece),
+                                      thread_name_prefix="kvtier-read")
         # Checksums run beside the I/O threads, not on them: an I/O thread issues its next request while the
         # segment it just read (or is writing) is being checked, so the disk never waits on the CPU.
         self._crc = ThreadPoolExecutor(max_workers=_CRC_THREADS, thread_name_prefix="kvtier-crc")
@@ -197,10 +207,11 @@ class SlotIO:
             self.episodes.occurred("write", logging.ERROR, "SSD write of chunk %s failed (%s: %s); chunks are "
                                    "dropped (kvtier_ssd_dropped_puts_total)", it.key, type(e).__name__, e)
 
-    def _bounce(self) -> memoryview:
+    def _bounce(self, nbytes: int) -> memoryview:
+        """This thread's page-aligned staging buffer of at least `nbytes` (rounded up to ALIGN)."""
         b = getattr(self._tls, "buf", None)
-        if b is None or len(b) < self.seg + ALIGN:
-            b = self._tls.buf = aligned_buffer(self.seg + ALIGN)
+        if b is None or len(b) < align_up(nbytes):
+            b = self._tls.buf = aligned_buffer(align_up(nbytes))
         return b
 
     def _write_segment(self, fd: int, base: int, data: memoryview, rng: tuple[int, int]) -> "Future[int]":
@@ -217,7 +228,7 @@ class SlotIO:
             pwrite_full(fd, part[:direct], off)
         if direct < hi - lo:
             rest = hi - lo - direct
-            b = self._bounce()[:align_up(rest)]
+            b = self._bounce(rest)[:align_up(rest)]
             b[:rest] = part[direct:]
             b[rest:] = b"\0" * (len(b) - rest)
             pwrite_full(fd, b, off + direct)
@@ -227,15 +238,18 @@ class SlotIO:
     def read(self, items: list[SlotRead]) -> list[str | None]:
         """Read and verify chunks; per item None (the destination holds the chunk, bit-exact) or the reason the
         chunk is unusable (`checksum`, `header`, `torn`, `io_error`, or NOT_READ). Never raises."""
-        jobs: list[tuple[memoryview, list[Future]] | str] = []
+        jobs: list[tuple[memoryview, list[list[tuple[Future, int]]]] | str] = []
         for it in items:
             try:
                 fd, base = self.files.locate(it.slot)
                 hdr = aligned_buffer(HEADER_SIZE)
-                # The header travels with the first data segment (one request), the other segments in parallel.
-                parts = [self._io.submit(self._read_segment, fd, base, it.dest, rng, hdr if j == 0 else None)
-                         for j, rng in enumerate(segments(it.meta.nbytes, it.seg))]
-                jobs.append((hdr, parts))
+                # Each segment is read as pieces, all in parallel, each checked as soon as it lands; the header
+                # travels with the first piece (one request).
+                segs = [[(self._rd.submit(self._read_piece, fd, base, it.dest, rng,
+                                          hdr if j == 0 and k == 0 else None), rng[1] - rng[0])
+                         for k, rng in enumerate(pieces(lo, hi, self.read_piece))]
+                        for j, (lo, hi) in enumerate(segments(it.meta.nbytes, it.seg))]
+                jobs.append((hdr, segs))
             except Exception as e:  # noqa: BLE001
                 jobs.append(_verdict_of(e))
         out: list[str | None] = []
@@ -243,9 +257,9 @@ class SlotIO:
             if isinstance(job, str):
                 out.append(job)
                 continue
-            hdr, parts = job
+            hdr, segs = job
             try:
-                crcs = [p.result().result() for p in parts]
+                crcs = [combine_checksums([(p.result().result(), n) for p, n in seg]) for seg in segs]
                 self._verify(it, hdr, crcs)
                 out.append(None)
             except Exception as e:  # noqa: BLE001
@@ -253,14 +267,14 @@ class SlotIO:
                 logger.warning("SSD chunk %s is unusable (%s); treated as a miss", it.key, e)
         return out
 
-    def _read_segment(self, fd: int, base: int, dest: memoryview, rng: tuple[int, int],
-                      hdr: memoryview | None = None) -> "Future[int]":
-        """Read one data segment into `dest` (and the slot header just before it, if `hdr` is given); returns
-        the future of the segment's CRC32, so this I/O thread can go on to its next request."""
+    def _read_piece(self, fd: int, base: int, dest: memoryview, rng: tuple[int, int],
+                    hdr: memoryview | None = None) -> "Future[int]":
+        """Read bytes `rng` of the chunk into `dest` (and the slot header just before them, if `hdr` is given);
+        returns the future of their CRC32, so this I/O thread can go on to its next request."""
         lo, hi = rng
         part = dest[lo:hi]
         off = base + HEADER_SIZE + lo
-        lead = 0  # bytes of the segment read in the same request as the header
+        lead = 0  # bytes of the piece read in the same request as the header
         if hdr is not None:
             if self._kvikio is None:
                 lead = (hi - lo) if not self.o_direct else ((hi - lo) // ALIGN * ALIGN if is_aligned(part) else 0)
@@ -287,7 +301,7 @@ class SlotIO:
             pread_full(fd, part[:direct], off)
         while direct < n:  # unaligned destination or tail: through the bounce buffer
             step = min(n - direct, self.seg)
-            b = self._bounce()[:align_up(step)]
+            b = self._bounce(step)[:align_up(step)]
             pread_full(fd, b, off + direct)
             part[direct:direct + step] = b[:step]
             direct += step
@@ -330,6 +344,7 @@ class SlotIO:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         self._io.shutdown(wait=True)
+        self._rd.shutdown(wait=True)
         self._crc.shutdown(wait=True)
         self.files.close()
         self.journal.close()
