@@ -55,7 +55,8 @@ orphan class's learned density and recency.
 No future information: every estimate comes from calls already made (the ghost's Belady sees only the window of
 past accesses; a label is given only once the window has run `label delay` seconds past the access).
 
-Memory bounds (all configurable): `max_sessions` session records, `ghost_window` sampled ghost accesses,
+Memory bounds (all configurable): `max_sessions` session records, `ghost_window` sampled accesses per ghost
+(`ghost_strata` ghosts, one by default),
 `predictor_window` labelled samples, `max_items` waiting reuse items, `max_ghost_keys` remembered evicted chunk
 items, `max_ctx` announced-but-not-inserted chunks, shadow caches of capacity/`shadow_sample_rate` chunks,
 O(classes x buckets) counters.
@@ -991,7 +992,7 @@ class AnswerLengthPolicy(EvictionPolicy):
         """Sizes of the bounded learning state (tests check they stay within the configured bounds)."""
         return {
             "sessions": len(self.sessions),
-            "ghost_trace": self.ghost.memory_items(),
+            "ghost_trace": max(g.memory_items() for g in [self.ghost, *self._strata]),  # per ghost
             "reuse_items": self.reuse.items,
             "predictor_samples": len(self.predictor),
             "ghost_keys": len(self._ghost_items),
