@@ -4,13 +4,14 @@ synthetic conversations (it must use the signals) and on signal-free traffic (it
 
 from __future__ import annotations
 
+import bisect
 import random
 
 import pytest
 
 from kvtier.storage_backends.eviction import make_policy
-from kvtier.storage_backends.eviction.answer_length import AnswerLengthConfig, AnswerLengthPolicy
-from kvtier.storage_backends.eviction.ghost_cache import GhostBelady, ReuseBuckets, key_sample
+from kvtier.storage_backends.eviction.answer_length import AnswerLengthConfig, AnswerLengthPolicy, _logit
+from kvtier.storage_backends.eviction.ghost_cache import GhostBelady, ReuseBuckets, key_hash, key_sample
 from kvtier.storage_backends.eviction.reuse_model import ReuseModel
 from kvtier.storage_backends.eviction.sessions import SessionTracker
 from kvtier.tools.replay import ReplayClock, simulate
@@ -499,3 +500,67 @@ def test_no_look_ahead_in_replays():
 
     part, full = victims_of(reqs[:cut]), victims_of(reqs)
     assert len(part) > 100 and full[: len(part)] == part
+
+
+# ------------------------------------------------------------------ sampling hash and hot-path caches
+
+
+def test_ghost_salt_draws_another_sample():
+    """Salt 0 is the default hash; another salt samples other keys (about as many), and the policy's ghost then
+    records exactly the keys that hash samples."""
+    assert all(key_hash(k) == key_hash(k, 0) for k in range(1000))
+    a = {k for k in range(8000) if key_hash(k) % 8 == 0}
+    b = {k for k in range(8000) if key_hash(k, 3) % 8 == 0}
+    assert 800 < len(b) < 1200 and len(a & b) < 0.3 * len(b)
+    reqs = conversations(120, seed=2)
+    _, pol = _replay(reqs, "answer-length", 80, ghost_salt=3, ghost_sample_rate=4)
+    seen = {e[0] for e in pol.ghost._trace}
+    assert seen and all(key_hash(k, 3) % 4 == 0 for k in seen)
+    assert any(key_hash(k) % 4 for k in seen)  # not the default sample
+
+
+def test_label_offsets_are_cached_only_while_tables_and_ghost_stand():
+    """The class model's label offsets are cached per feature tuple; every cached value must equal a fresh
+    computation, also after the tables and the ghost moved on."""
+    reqs = conversations(200, seed=4)
+    clock = ReplayClock()
+    pol = AnswerLengthPolicy(clock=clock, config=AnswerLengthConfig(**SMALL_GHOST))
+    pol.set_capacity(80)
+
+    def fresh(x):
+        row = pol._row_of(x)
+        b = bisect.bisect_right(pol._edges, pol.ghost.label_horizon())
+        h = pol._hits.item(row, 0)
+        if b < len(pol._edges):
+            h -= pol._surv.item(row, b) * pol._hits.item(row, b)
+        return _logit(h)
+
+    checked = 0
+    half = len(reqs) // 2
+    for part in (reqs[:half], reqs[half:]):
+        xs = list(pol.predictor._counts)
+        for x in xs:
+            pol._offset_of(x)  # fill the cache with the current stamp
+        simulate(part, pol, 80, clock=clock)  # tables refresh, the ghost reruns
+        for x in xs + list(pol.predictor._counts):
+            assert pol._offset_of(x) == fresh(x), x
+            checked += 1
+    assert pol.ghost.runs > 1 and checked > 20
+
+
+def test_stratified_ghosts_split_one_sample_and_average_it():
+    """`ghost_strata=N`: ghost i records exactly the keys whose sampling hash has residue i, and h is the mean of
+    their estimates (checked on a replay at a fixed rate)."""
+    reqs = conversations(150, seed=6)
+    _, pol = _replay(reqs, "answer-length", 80, ghost_sample_rate=6, ghost_strata=3, ghost_window=2048,
+                     ghost_refresh=256, fallback=())
+    ghosts = [pol.ghost] + pol._strata
+    assert len(ghosts) == 3 and all(g.runs > 0 for g in ghosts)
+    for i, g in enumerate(ghosts):
+        keys = {e[0] for e in g._trace}
+        assert keys and all(key_hash(k) % 6 == i for k in keys), i
+    pol._refresh()
+    mean = [sum(c) / 3 for c in zip(*(g.hit_prob for g in ghosts))]
+    assert pol._h == pytest.approx(mean) and pol._h != pol.ghost.hit_prob
+    with pytest.raises(ValueError, match="ghost_strata"):
+        AnswerLengthPolicy(ghost_strata=0)

@@ -55,7 +55,8 @@ orphan class's learned density and recency.
 No future information: every estimate comes from calls already made (the ghost's Belady sees only the window of
 past accesses; a label is given only once the window has run `label delay` seconds past the access).
 
-Memory bounds (all configurable): `max_sessions` session records, `ghost_window` sampled ghost accesses,
+Memory bounds (all configurable): `max_sessions` session records, `ghost_window` sampled accesses per ghost
+(`ghost_strata` ghosts, one by default),
 `predictor_window` labelled samples, `max_items` waiting reuse items, `max_ghost_keys` remembered evicted chunk
 items, `max_ctx` announced-but-not-inserted chunks, shadow caches of capacity/`shadow_sample_rate` chunks,
 O(classes x buckets) counters.
@@ -75,7 +76,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from kvtier.storage_backends.eviction.base import EvictionPolicy, Key, make_policy, register_policy
-from kvtier.storage_backends.eviction.ghost_cache import GhostBelady, ReuseBuckets, key_hash
+from kvtier.storage_backends.eviction.ghost_cache import _MASK, _MIX, GhostBelady, ReuseBuckets, key_hash
 from kvtier.storage_backends.eviction.reuse_model import ReuseModel
 from kvtier.storage_backends.eviction.reuse_predictor import FeatureSpace, ReusePredictor
 from kvtier.storage_backends.eviction.sessions import Session, SessionTracker
@@ -146,9 +147,13 @@ class AnswerLengthConfig:
     shadow_sample_rate: int = 16
     shadow_window: int = 1024  #: sampled accesses per comparison round
     ghost_sample_rate: int = 0  #: one key in N is replayed by the ghost; 0: N = capacity / ghost_capacity (>= 1)
-    ghost_capacity: int = 160  #: the ghost's sampled capacity when the rate is automatic (SHARDS, fixed size)
+    ghost_capacity: int = 160  #: each ghost's sampled capacity when the rate is automatic (SHARDS, fixed size)
     ghost_window: int = 16384
     ghost_refresh: int = 2048
+    ghost_salt: int = 0  #: which sampling hash the ghost (and shadows) use: 0 the default; others measure the spread
+    #: stratified ghosts: residues 0..N-1 of the sampling hash, one Belady each at the same rate, h is their mean
+    #: (labels come from the first); N times the ghost's cost and memory at the same `ghost_capacity`
+    ghost_strata: int = 1
     max_sessions: int = 100_000
     max_items: int = 200_000
     max_ghost_keys: int = 200_000
@@ -285,6 +290,11 @@ class AnswerLengthPolicy(EvictionPolicy):
             label_sink=self._on_label if cfg.use_predictor else None,
         )
         self.ghost.max_label_horizon = cfg.max_label_delay
+        self._salt = int(cfg.ghost_salt)
+        if cfg.ghost_strata < 1:
+            raise ValueError(f"answer-length: ghost_strata must be >= 1, not {cfg.ghost_strata!r}")
+        self._strata: list[GhostBelady] = []  # the other strata's ghosts (no labels), made in `_fix_rates`
+        self._n_strata = 1
         self.sessions = SessionTracker(cfg.max_sessions)
         self._keys: dict[Key, Session | KeyUnit] = {}  # resident key -> its unit
         self._heap: list = []  # (score, last_time, seq, unit, ver)
@@ -295,6 +305,8 @@ class AnswerLengthPolicy(EvictionPolicy):
         self._ctx: dict[Key, tuple[Session, bool]] = {}  # in-flight chain key -> (session, is tail)
         self._ghost_items: OrderedDict[Key, tuple] = OrderedDict()  # evicted chunk -> (item, kind, count)
         self._limbo: dict[Key, tuple[Session | KeyUnit, int]] = {}  # yielded by victims(), not removed yet
+        self._off_cache: dict[tuple, float] = {}  # feature tuple -> _offset_of, for one (epoch, ghost version)
+        self._off_stamp: tuple | None = None
         self._hits = np.zeros((0, 0))  # per table row and elapsed bucket: expected hits from there on
         self._occ: np.ndarray | None = None  # ... and expected occupancy (density score only)
         self._surv = np.zeros((0, 0))  # ... and P(no reuse before the bucket)
@@ -377,7 +389,13 @@ class AnswerLengthPolicy(EvictionPolicy):
             ratios = self.reuse.timing_ratios_array(rows, cfg.timing_strength)
             timed = np.minimum(1.0, rows[: self.C_TAIL, None, :] * ratios[None, :, :])
             rows = np.vstack([rows, timed.reshape(-1, rows.shape[1])])  # row n_base + cls * n_timing + t
-        self._h = self.ghost.hit_prob if cfg.use_ghost else [1.0] * len(self.buckets)
+        if not cfg.use_ghost:
+            self._h = [1.0] * len(self.buckets)
+        elif self._strata:
+            gs = [self.ghost] + self._strata
+            self._h = [sum(c) / len(gs) for c in zip(*(g.hit_prob for g in gs))]
+        else:
+            self._h = self.ghost.hit_prob
         self._hits, occ, self._surv = self.reuse.tables(self._h, rows, with_survival=True)
         self._occ = occ if cfg.score == "density" else None
         self._since_refresh = 0
@@ -449,13 +467,25 @@ class AnswerLengthPolicy(EvictionPolicy):
         return (1, 1, 3, 5, 9, 17)[value]  # smallest read count of a "reads" feature value
 
     def _offset_of(self, x: tuple[int, ...]) -> float:
-        """The class model's log-odds for what a label says: a hit on a reuse within the ghost's label horizon."""
+        """The class model's log-odds for what a label says: a hit on a reuse within the ghost's label horizon
+        (cached per feature tuple until the tables or the ghost change)."""
+        ghost = self.ghost
+        stamp = (self._epoch, ghost._version)
+        if self._off_stamp != stamp:
+            self._off_stamp = stamp
+            self._off_cache.clear()
+        z = self._off_cache.get(x)
+        if z is not None:
+            return z
         row = self._row_of(x)
-        b = bisect_right(self._edges, self.ghost.label_horizon())
+        b = bisect_right(self._edges, ghost.label_horizon())
         h = self._hits.item(row, 0)
         if b < len(self._edges):  # minus the hits after the horizon: survival to bucket b times hits from b on
             h -= self._surv.item(row, b) * self._hits.item(row, b)
-        return _logit(h)
+        z = _logit(h)
+        if len(self._off_cache) < 65536:
+            self._off_cache[x] = z
+        return z
 
     def _on_label(self, ctx: tuple, label: bool, gap: float | None) -> None:
         """The ghost labelled a sampled past access: score the predictor on it (before it learns from it:
@@ -750,10 +780,10 @@ class AnswerLengthPolicy(EvictionPolicy):
             u.item = self.reuse.start(cls, now)
             keys[key] = u
             self._set_key_unit(u, cls, now)
-        hv = key_hash(key)
+        hv = key_hash(key, self._salt) if self._salt else ((hash(key) * _MIX) & _MASK) >> 40  # key_hash, inlined
         if not self._ghost_rate:
             self._fix_rates()
-        if hv % self._ghost_rate == 0 or (self._shadow_rate and hv % self._shadow_rate == 0):
+        if hv % self._ghost_rate < self._n_strata or (self._shadow_rate and hv % self._shadow_rate == 0):
             self._observe(key, u, now, hv)
         for fb in self._fallback_list:
             fb.on_insert(key, size)
@@ -765,10 +795,10 @@ class AnswerLengthPolicy(EvictionPolicy):
         now = self._clock()
         if u.__class__ is KeyUnit and (u.seq != self._req_seq or not self._req_seq):
             self._touch_key_unit(u, now)
-        hv = key_hash(key)
+        hv = key_hash(key, self._salt) if self._salt else ((hash(key) * _MIX) & _MASK) >> 40  # key_hash, inlined
         if not self._ghost_rate:
             self._fix_rates()
-        if hv % self._ghost_rate == 0 or (self._shadow_rate and hv % self._shadow_rate == 0):
+        if hv % self._ghost_rate < self._n_strata or (self._shadow_rate and hv % self._shadow_rate == 0):
             self._observe(key, u, now, hv, True)
         for fb in self._fallback_list:
             fb.on_access(key)
@@ -777,9 +807,13 @@ class AnswerLengthPolicy(EvictionPolicy):
         """A sampled access: the ghost's and/or the shadows' (`hv`: the key's sampling hash; `hit`: it was a hit
         in this tier)."""
         ghost = self.ghost
-        if self._use_ghost and hv % ghost.sample_rate == 0:
-            if ghost.record_sampled(key, now, self._capacity_blocks(), self._ghost_ctx(u)):
-                self._refresh()
+        if self._use_ghost:
+            r = hv % ghost.sample_rate
+            if r == 0:
+                if ghost.record_sampled(key, now, self._capacity_blocks(), self._ghost_ctx(u)):
+                    self._refresh()
+            elif r < self._n_strata:  # another stratum: its estimate joins h at the next table refresh
+                self._strata[r - 1].record_sampled(key, now, self._capacity_blocks())
         rate = self._shadow_rate
         if rate and hv % rate == 0:
             cap = max(1, self._capacity_blocks() // rate)
@@ -796,6 +830,13 @@ class AnswerLengthPolicy(EvictionPolicy):
         if not self._ghost_rate_fixed:
             self._fix_ghost_rate()
         self._ghost_rate = self.ghost.sample_rate if self._use_ghost else 1 << 62
+        if self._use_ghost and self.cfg.ghost_strata > 1 and not self._strata:
+            g = self.ghost
+            for _ in range(min(self.cfg.ghost_strata, g.sample_rate) - 1):
+                o = GhostBelady(self.buckets, g.sample_rate, g.window, g.refresh)
+                o.first_run = g.first_run
+                self._strata.append(o)
+            self._n_strata = 1 + len(self._strata)
         if self._fallbacks and not self._shadow_rate:
             self._fix_shadow_rate()
 
@@ -830,7 +871,8 @@ class AnswerLengthPolicy(EvictionPolicy):
         if self._sub_of is not None and self._sub_of[0] is chain:
             return self._sub_of[1]
         rate = self._shadow_rate
-        sub = [k for k in chain if key_hash(k) % rate == 0]
+        salt = self._salt
+        sub = [k for k in chain if key_hash(k, salt) % rate == 0]
         self._sub_of = (chain, sub)
         return sub
 
@@ -878,7 +920,11 @@ class AnswerLengthPolicy(EvictionPolicy):
             self._reattach_limbo()
         if self.mode != self.name:
             return self._fallbacks[self.mode].victims(need, evictable)
-        self._advance(self._clock(), self.cfg.max_rescores_per_decision)
+        cross = self._cross
+        if cross:
+            now = self._clock()
+            if cross[0][0] <= now:
+                self._advance(now, self.cfg.max_rescores_per_decision)
         heap = self._heap
         pop = heapq.heappop
         limbo = self._limbo
@@ -946,7 +992,7 @@ class AnswerLengthPolicy(EvictionPolicy):
         """Sizes of the bounded learning state (tests check they stay within the configured bounds)."""
         return {
             "sessions": len(self.sessions),
-            "ghost_trace": self.ghost.memory_items(),
+            "ghost_trace": max(g.memory_items() for g in [self.ghost, *self._strata]),  # per ghost
             "reuse_items": self.reuse.items,
             "predictor_samples": len(self.predictor),
             "ghost_keys": len(self._ghost_items),

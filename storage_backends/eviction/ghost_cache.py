@@ -29,9 +29,17 @@ _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
 
-def key_hash(key: Hashable) -> int:
-    """A well-mixed 24-bit hash of the key for spatial sampling (`key_hash(k) % rate == 0`: sampled)."""
-    return ((hash(key) * _MIX) & _MASK) >> 40
+_SALT = 0x5851F42D4C957F2D
+
+
+def key_hash(key: Hashable, salt: int = 0) -> int:
+    """A well-mixed 24-bit hash of the key for spatial sampling (`key_hash(k) % rate == 0`: sampled); another
+    `salt` gives another, independent sample (salt 0 is the default hash)."""
+    x = (hash(key) * _MIX) & _MASK
+    if salt:  # re-mixed (an added constant alone would keep neighbouring keys' samples correlated)
+        x ^= (x >> 29) ^ ((salt * _SALT) & _MASK)
+        x = ((x ^ (x >> 32)) * _MIX) & _MASK
+    return x >> 40
 
 
 def key_sample(key: Hashable, rate: int) -> bool:
@@ -129,21 +137,6 @@ def belady_run(keys: Sequence[Hashable], capacity: int) -> tuple[list[bool], lis
             if len(heap) > 4 * capacity + 64:
                 heap = [(-n_, j, kk) for j, (kk, n_) in enumerate(resident.items()) if n_ != inf]
                 heapq.heapify(heap)
-    return out, nxt
-    for i, k in enumerate(keys):
-        if k in resident:
-            out[i] = True
-        elif len(resident) >= capacity:
-            while True:
-                negn, _, v = heapq.heappop(heap)
-                if resident.get(v) == -negn:
-                    del resident[v]
-                    break
-        resident[k] = nxt[i]
-        heapq.heappush(heap, (-nxt[i], i, k))
-        if len(heap) > 4 * capacity + 64:
-            heap = [(-n_, j, kk) for j, (kk, n_) in enumerate(resident.items())]
-            heapq.heapify(heap)
     return out, nxt
 
 

@@ -128,17 +128,25 @@ class ReuseModel:
         edges = self.buckets.edges
         K = len(edges)
         nd = float("inf")
+        # summed per counter in plain Python first, added to the arrays once (numpy scalar updates are slow)
+        risk: dict[tuple[int, int], float] = {}
+        trisk: dict[tuple[int, int, int], float] = {}
+        queues = self._queues
         for k in range(K):
-            q = self._queues[k]
+            q = queues[k]
+            if not q:
+                continue
             edge = edges[k]
-            nxt = self._queues[k + 1] if k + 1 < K else None
+            nxt = queues[k + 1] if k + 1 < K else None
             while q and q[0].start + edge <= now:
                 it = q.popleft()
                 if not it.alive:
                     continue
-                self.at_risk[it.cls, k] += it.weight
+                key = (it.cls, k)
+                risk[key] = risk.get(key, 0.0) + it.weight
                 if it.timing is not None:
-                    self.timing_at_risk[it.timing, it.cls, k] += it.weight
+                    tkey = (it.timing, it.cls, k)
+                    trisk[tkey] = trisk.get(tkey, 0.0) + it.weight
                 it.counted = k + 1
                 if nxt is not None:
                     nxt.append(it)
@@ -146,7 +154,14 @@ class ReuseModel:
                     it.alive = False  # never reused within the horizon
                     self.items -= 1
             if q:
-                nd = min(nd, q[0].start + edge)
+                due = q[0].start + edge
+                if due < nd:
+                    nd = due
+        ar, tar = self.at_risk, self.timing_at_risk
+        for key, w in risk.items():
+            ar[key] += w
+        for tkey, w in trisk.items():
+            tar[tkey] += w
         self._next_due = nd
 
     # -- estimates (vectorised: a refresh of a few hundred rows costs well under a millisecond)
