@@ -196,8 +196,6 @@ class ReuseModel:
         """ratio[t][k]: observed returns in bucket k of items with timing key t over the returns their own
         classes' `hazards` expect there (observed / expected, so a key is not credited for what its items'
         classes already say); `strength` pseudo-items at risk at the pooled hazard pull sparse keys towards 1."""
-        K = len(self.buckets)
-        n = self.n_timing
         obs, tar = self.timing_events, self.timing_at_risk
         exp = (tar * np.asarray(hazards)[None, :, :]).sum(axis=1)
         risk = tar.sum(axis=(0, 1))
