@@ -8,7 +8,10 @@ All in one run on the same disk: durable writes (O_DIRECT or fsync'd), cold read
 timed read; needs root). The work is cut into batches of one LMCache request (8 chunks, 256 MiB); every method
 writes (then reads) batch b before any moves on, in an order rotating by len(methods)/batches per batch (printed
 for the first repeat), so each method's positions in a batch average alike and the disk's drift over seconds and
-minutes hits all methods alike. --ab-read-piece-mib N adds the same plugin with reads pieced at N MiB (A/B). Reports GB/s per batch (median, p10, p90) and, per target, the median over
+minutes hits all methods alike. --ab-read-piece-mib N adds the same plugin with reads pieced at N MiB (A/B).
+"kvtier plugin prepared" (on unless --no-prepared) is the plugin with `kvtier.prepare_slots`, timed once its slot
+files are zeroed (waited for, untimed): its writes overwrite written blocks, as a tier's writes do once it has been
+full once, where the plain plugin's (and LocalDiskBackend's, always: a new file per chunk) are first fills. Reports GB/s per batch (median, p10, p90) and, per target, the median over
 batches of the plugin's GB/s over the baseline's in the same batch. Plus the index rebuild time of a tier
 holding 100k committed slots.
 
@@ -178,6 +181,7 @@ def rebuild_time(tmp: str, slots: int = 100_000) -> float:
 
 
 PLUGIN = "kvtier plugin"
+PREPARED = "kvtier plugin prepared"
 BASELINES = ("LocalDiskBackend", "LocalDiskBackend O_DIRECT")
 
 
@@ -208,6 +212,11 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
         BASELINES[1]: (f"local_disk: file://{tmp}/ldo-{r}/\nmax_local_disk_size: {cap}\n"
                        "extra_config:\n  use_odirect: true\n", wait_local_disk, local_disk),
     }
+    if args.prepared:
+        # The same plugin with `prepare_slots` on, timed once its slot files are prepared (waited for below, not
+        # timed): its writes overwrite zeroed blocks, as every write of a tier does once it has been full once.
+        engines[PREPARED] = (engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-p-{r}")
+                             + "  kvtier.prepare_slots: true\n", wait_kvtier, kvtier_backend)
     if args.ab_read_piece_mib:
         # A/B in the same run: the same plugin with reads pieced at another size (e.g. one piece per segment)
         engines[f"{PLUGIN} piece {args.ab_read_piece_mib} MiB"] = (
@@ -226,6 +235,11 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
             finally:
                 if name.startswith(f"{PLUGIN} piece"):
                     ssd_io.READ_PIECE = keep
+
+        if PREPARED in methods:
+            t0 = time.perf_counter()
+            assert kvtier_backend(methods[PREPARED].engine).tier.wait_prepared(1800), "slot files not prepared"
+            tqdm.write(f"  {PREPARED}: slot files prepared in {time.perf_counter() - t0:.1f} s (not timed)")
 
         def rec(name: str, dt: float, cpu: float, nbytes: int) -> None:
             rows.setdefault(name, []).append(nbytes / dt / 1e9 if nbytes else float("nan"))
@@ -272,7 +286,7 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
             if os.path.exists(f):
                 os.unlink(f)
         for d in os.listdir(tmp):
-            if d.startswith(("kvtier-", "ld-", "ldo-")):  # kvtier-b-: the A/B plugin
+            if d.startswith(("kvtier-", "ld-", "ldo-")):  # kvtier-b-, kvtier-p-: the A/B and prepared plugins
                 shutil.rmtree(os.path.join(tmp, d), ignore_errors=True)
 
 
@@ -316,6 +330,9 @@ def main() -> int:
     ap.add_argument("--ab-read-piece-mib", type=int, default=0,
                     help="also run the plugin with reads pieced at this size (A/B in the same run; 32 = one piece "
                          "per 32 MiB segment, i.e. unpieced reads)")
+    ap.add_argument("--prepared", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the plugin with kvtier.prepare_slots (its slot files zeroed before the timed "
+                         "batches, untimed); --no-prepared leaves it out")
     ap.add_argument("--one-repeat", type=int, default=None, help=argparse.SUPPRESS)  # child process of a repeat
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--kvtier", action="append", default=[], metavar="KEY=VALUE",
@@ -359,11 +376,15 @@ def main() -> int:
                (f"{PLUGIN} write", [f"{BASELINES[1]} write"], f"{BASELINES[1]} write", 1.0),
                (f"{PLUGIN} write", [k for k in rows if k.startswith("raw write O_DIRECT")], "best raw O_DIRECT write",
                 None)]
+    if f"{PREPARED} write" in rows:
+        targets += [(f"{PREPARED} {num.split()[-1]}", dens, label, target) for num, dens, label, target in targets
+                    if target is not None]
     for num, dens, label, target in targets:
         med = paired(rows[num], best_of(rows, dens))
         goal = f"(target >= {target})" if target else ""
         verdict = "" if target is None else ("PASS" if med >= target else "miss")
-        print(f"  {num.split()[-1]} / {label:<28}= {med:5.2f}  {goal} {verdict}")
+        who = "prepared " if num.startswith(PREPARED) else ""
+        print(f"  {who}{num.split()[-1]} / {label:<28}= {med:5.2f}  {goal} {verdict}")
     for b_name in [k[:-len(" read")] for k in rows if k.startswith(f"{PLUGIN} piece") and k.endswith(" read")]:
         for op in ("read", "write"):
             print(f"  A/B {op}: {PLUGIN} / {b_name} = {paired(rows[f'{PLUGIN} {op}'], rows[f'{b_name} {op}']):.2f}; "

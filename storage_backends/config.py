@@ -35,6 +35,7 @@ class KVTierConfig:
     page_tokens: int = 16
     file_size_gb: float = 16.0
     grow_step_mb: int = 1024
+    prepare_slots: bool = False
     io_block_mb: int = 32
     max_inflight_write_mb: int = 2048
     backpressure_timeout_s: float = 10.0
@@ -77,6 +78,12 @@ KEYS: tuple[KeySpec, ...] = (
             minimum=0.0, exclusive=True),
     KeySpec("grow_step_mb", "int", "Slot files grow (fallocate) by about this much at a time, never the whole "
             "capacity up front.", minimum=1),
+    KeySpec("prepare_slots", "bool", "While the tier is idle (no write queued, no read for a moment), grow the "
+            "slot files up to the capacity by writing zeros, so that chunk writes overwrite written blocks instead "
+            "of filling fallocated (unwritten) extents, which file systems finish more slowly (ext4 here: 1.4-1.5x, "
+            "`benchmarks/first_fill_probe.py`). Costs one background write of the whole capacity, once per "
+            "directory (the files keep it across restarts); it yields to every read and write. For a disk the "
+            "tier has to itself."),
     KeySpec("io_block_mb", "int", "Chunks are read and written as independent requests of this size, spread over "
             "the I/O threads (a 256-token Llama-3-8B chunk, 32 MiB, is one request: with several chunks in flight "
             "that kept the disk busier than 4 MiB pieces of one chunk did).", minimum=1),

@@ -15,6 +15,8 @@ SSD_EVICTIONS = counter("kvtier_ssd_evictions_total", "Chunks evicted from the S
 SSD_BYTES_READ = counter("kvtier_ssd_read_bytes_total", "Bytes read from the SSD tier")
 SSD_BYTES_WRITTEN = counter("kvtier_ssd_written_bytes_total", "Bytes written to the SSD tier")
 SSD_USED_BYTES = gauge("kvtier_ssd_used_bytes", "Bytes of committed slots in the SSD tier")
+SSD_PREPARED_BYTES = counter("kvtier_ssd_prepared_bytes_total", "Bytes of slot files zeroed ahead of use "
+                             "(kvtier.prepare_slots)")
 SSD_INFLIGHT_WRITE_BYTES = gauge("kvtier_ssd_inflight_write_bytes", "Host bytes held by queued SSD writes")
 SSD_READ_SECONDS = histogram("kvtier_ssd_read_seconds", "Latency of one batched SSD-tier read",
                              buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

@@ -4,19 +4,39 @@ Slot `s` lives in file `s // slots_per_file` at offset `(s % slots_per_file) * s
 `posix_fallocate` one step at a time (never the whole capacity up front), so a full disk shows up as ENOSPC when
 growing, before any data is written. File names come from the slot size and an index, never from keys, and files
 are opened without following symbolic links: a link planted in the directory stops the start with a clear error.
+
+Prepared slots (`kvtier.prepare_slots`): a background caller may instead grow a file by writing zeros
+(`begin_preparation` / `zero_fill` / `end_preparation`), so that later chunk writes overwrite written blocks rather
+than fill unwritten extents, which file systems complete more slowly (ext4 converts each extent as the write ends and
+the fdatasync then commits that). While a range is being zeroed it is not allocated: `ensure` on that file waits
+until the range is done, so a chunk is never written where zeros are still on their way.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import threading
+from dataclasses import dataclass
+from typing import Callable
 
 from kvtier.storage_backends.config import ConfigError
-from kvtier.storage_backends.posix_io import fsync_dir, open_file
+from kvtier.storage_backends.posix_io import aligned_buffer, fsync_dir, open_file, pwrite_full
 
 #: More slot files than this per slot size would mean an absurd capacity (16 GiB files: 16 EiB); names beyond it
 #: are not kvtier's.
 MAX_FILES = 1 << 20
+#: zeros are written in requests of this size; between two requests the preparer checks whether it must yield
+ZERO_PIECE = 8 << 20
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """Slots [first, end) of slot file `file_idx`, past its allocated extent, being zeroed."""
+
+    file_idx: int
+    first: int
+    end: int
 
 
 class SlotFiles:
@@ -30,6 +50,9 @@ class SlotFiles:
         self._fds: dict[int, int] = {}
         self.fd_paths: dict[int, str] = {}  # fd -> path (kvikio opens files by path)
         self._extent: dict[int, int] = {}  # file index -> slots allocated on disk
+        self._grow = threading.Condition()  # guards _extent changes and _preparing
+        self._preparing: Preparation | None = None
+        self._zeros: memoryview | None = None
         prefix = self._prefix()
         for name in os.listdir(directory):
             if not (name.startswith(prefix) and name.endswith(".dat")):
@@ -89,6 +112,14 @@ class SlotFiles:
         """Grow the slot's file (by whole steps, never past slot `limit - 1`, the tier's capacity) so that the
         slot exists on disk. Raises OSError (ENOSPC...)."""
         idx, pos = self._split(slot)
+        if pos < self._extent.get(idx, 0):
+            return
+        with self._grow:
+            while self._preparing is not None and self._preparing.file_idx == idx:
+                self._grow.wait()  # zeros are being written past this file's extent: never fallocate under them
+            self._grow_file(idx, pos, limit)
+
+    def _grow_file(self, idx: int, pos: int, limit: int | None) -> None:
         have = self._extent.get(idx, 0)
         if pos < have:
             return
@@ -98,6 +129,47 @@ class SlotFiles:
         fd = self._open(idx)
         os.posix_fallocate(fd, have * self.slot_size, (want - have) * self.slot_size)
         self._extent[idx] = want
+
+    # ------------------------------------------------------------------ prepared slots
+    def begin_preparation(self, limit: int, step_slots: int) -> Preparation | None:
+        """Claim the next slots to zero: past the allocated extent of the first file not yet grown to its share of
+        the `limit` slots, at most `step_slots` of them. None when every file holds its share."""
+        with self._grow:
+            if self._preparing is not None:
+                return None
+            for idx in range(-(-limit // self.slots_per_file)):
+                share = min(self.slots_per_file, limit - idx * self.slots_per_file)
+                have = self._extent.get(idx, 0)
+                if have < share:
+                    self._preparing = Preparation(idx, have, min(share, have + max(1, step_slots)))
+                    return self._preparing
+            return None
+
+    def zero_fill(self, job: Preparation, keep_going: Callable[[], bool]) -> int:
+        """Write zeros over the claimed slots in ZERO_PIECE requests while `keep_going()`; returns the end of the
+        whole slots written (job.first when none). Raises OSError (ENOSPC...) after ending the claim."""
+        try:
+            if self._zeros is None:
+                self._zeros = aligned_buffer(ZERO_PIECE)  # fresh anonymous memory: zeros
+            fd = self._open(job.file_idx)
+            off, stop = job.first * self.slot_size, job.end * self.slot_size
+            while off < stop and keep_going():
+                n = min(ZERO_PIECE, stop - off)
+                pwrite_full(fd, self._zeros[:n], off)
+                off += n
+            return off // self.slot_size
+        except BaseException:
+            self.end_preparation(job, job.first)
+            raise
+
+    def end_preparation(self, job: Preparation, reached: int) -> None:
+        """Slots [job.first, reached) are zeroed and become allocated; the claim ends (waiting growers go on)."""
+        with self._grow:
+            if self._preparing is job:
+                self._preparing = None
+                if reached > self._extent.get(job.file_idx, 0):
+                    self._extent[job.file_idx] = reached
+                self._grow.notify_all()
 
     def sync(self, fd: int) -> None:
         os.fdatasync(fd)

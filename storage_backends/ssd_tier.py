@@ -47,6 +47,10 @@ _WRITERS = 2
 DISK_FULL_RETRY_S = 10.0
 #: the journal is rewritten once it holds more than 4 records per live chunk plus this many
 COMPACT_SLACK = 10_000
+#: `prepare_slots`: zeroing starts only after the tier saw no read or write for this long
+PREPARE_IDLE_S = 0.2
+#: ... and claims this many bytes of slots at a time (it yields between its 8 MiB requests)
+PREPARE_STEP_BYTES = 256 << 20
 
 
 class SSDTier:
@@ -117,6 +121,15 @@ class SSDTier:
                          for i in range(_WRITERS)]
         for w in self._writers:
             w.start()
+        self._reads_active = 0
+        self._activity = threading.Lock()
+        self._last_io = time.monotonic()
+        self._wake = threading.Event()  # close() ends the preparer's waits
+        self.prepared_event = threading.Event()  # set once every slot file holds its share of the capacity
+        self._preparer: threading.Thread | None = None
+        if config.prepare_slots:
+            self._preparer = threading.Thread(target=self._prepare_loop, name="kvtier-ssd-prepare", daemon=True)
+            self._preparer.start()
 
     # ------------------------------------------------------------------ start-up
     def _rebuild(self) -> None:
@@ -202,6 +215,7 @@ class SSDTier:
                 tasks.append(None)
                 continue
             tasks.append(PutTask(key, meta, buf, on_done, now))
+        self._last_io = time.monotonic()
         verdicts = iter(self.queue.submit_many([t for t in tasks if t is not None]))
         out = []
         for t in tasks:
@@ -360,6 +374,7 @@ class SSDTier:
         for a miss). A chunk that fails any check is released, dropped from the tier and counted. Never raises
         (an `alloc` or `release` that raises makes that chunk a miss)."""
         t0 = time.monotonic()
+        self._reading(1)
         entries = self.index.begin_read(keys)
         verdicts: list[str | None] = [None] * len(keys)
         served = [False] * len(keys)
@@ -379,6 +394,7 @@ class SSDTier:
                     _safe_release(release, dests[i][1])  # type: ignore[index]
         finally:
             self.index.end_read(keys, entries, verdicts, served)
+            self._reading(-1)
         M.SSD_READ_SECONDS.observe(time.monotonic() - t0)
         return out
 
@@ -404,6 +420,7 @@ class SSDTier:
     def read_into_device(self, key: str, dest) -> bool:
         """Read a chunk straight into a GPU tensor through kvikio (GDS or compat mode). The data is verified
         against the slot's checksums before True is returned; False is a miss. Never raises."""
+        self._reading(1)
         e = self.index.begin_read([key])[0]
         verdict = None
         try:
@@ -411,13 +428,65 @@ class SSDTier:
                 verdict = self.io.read_into_device(SlotRead(key, e.slot, e.gen, e.meta, e.seg, memoryview(b"")), dest)
         finally:
             self.index.end_read([key], [e], [verdict], [e is not None and verdict is None])
+            self._reading(-1)
         return e is not None and verdict is None
+
+    # ------------------------------------------------------------------ prepared slots
+    def _reading(self, delta: int) -> None:
+        with self._activity:
+            self._reads_active += delta
+            self._last_io = time.monotonic()
+
+    def _idle(self) -> bool:
+        return (not self._closed and self._reads_active <= 0 and self.queue.inflight_bytes == 0
+                and time.monotonic() - self._last_io >= PREPARE_IDLE_S)
+
+    def _prepare_loop(self) -> None:
+        """`prepare_slots`: zero the slot files up to the capacity while the tier is idle, one claimed step at a
+        time, stopping between requests as soon as a read or write arrives. A full disk or an I/O error ends it
+        (logged once; the tier grows with fallocate as without it)."""
+        files = self.io.files
+        step = max(1, PREPARE_STEP_BYTES // self.slot_size)
+        t0, before, zeroed = time.monotonic(), files.allocated_slots(), 0
+        try:
+            while not self._closed:
+                if not self._idle():
+                    self._wake.wait(PREPARE_IDLE_S / 2)
+                    continue
+                job = files.begin_preparation(self.index.capacity, step)
+                if job is None:
+                    break
+                reached = files.zero_fill(job, self._idle)
+                files.end_preparation(job, reached)
+                zeroed += reached - job.first
+                M.SSD_PREPARED_BYTES.inc((reached - job.first) * self.slot_size)
+            else:
+                return
+        except OSError as e:
+            logger.warning("SSD tier: preparing slot files under %s stopped after %.1f GiB (%s); new slots are "
+                           "fallocated as they are needed", self.directory, zeroed * self.slot_size / (1 << 30), e)
+            return
+        except Exception:
+            logger.exception("SSD tier: preparing slot files failed; new slots are fallocated as they are needed")
+            return
+        self.prepared_event.set()
+        if zeroed:
+            logger.info("SSD tier at %s: slot files prepared (%.1f GiB of zeros written in %.0f s while idle; %d "
+                        "slots were there before)", self.directory, zeroed * self.slot_size / (1 << 30),
+                        time.monotonic() - t0, before)
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """With `prepare_slots`: wait until the slot files hold the whole capacity (True) or `timeout` passes."""
+        return self._preparer is not None and self.prepared_event.wait(timeout)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._wake.set()
+        if self._preparer is not None:
+            self._preparer.join()
         self.queue.close()
         for w in self._writers:
             w.join()

@@ -1,0 +1,232 @@
+"""`kvtier.prepare_slots`: slot files zeroed up to the capacity while the tier is idle, never under a chunk.
+
+The preparer writes zeros past a file's allocated extent in claimed steps; a writer that needs a slot of that file
+waits for the step to end, and the preparer stops between requests as soon as a read or a write arrives. These
+tests slow the zero writes down so that the writers really meet a claimed step.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.storage_backends import slot_files, ssd_tier
+from kvtier.storage_backends.posix_io import align_up
+from kvtier.storage_backends.slot_format import HEADER_SIZE
+from kvtier.storage_backends.ssd_tier import SSDTier
+from kvtier.tools import ssd_testing
+
+pytestmark = pytest.mark.compat
+
+CHUNK = 3 * 4096 + 100
+put, get = ssd_testing.put, ssd_testing.get
+
+
+@pytest.fixture(autouse=True)
+def quick_preparer(monkeypatch):
+    monkeypatch.setattr(ssd_tier, "PREPARE_IDLE_S", 0.02)
+    monkeypatch.setattr(slot_files, "ZERO_PIECE", 4096)  # many requests per slot: many chances to yield
+
+
+def slow_zero_writes(monkeypatch, delay: float, calls: list[int] | None = None, fail_after: int | None = None):
+    """Zero writes of the preparer (only they go through slot_files.pwrite_full) take `delay` s each."""
+    real = slot_files.pwrite_full
+
+    def slow(fd, buf, off):
+        if calls is not None:
+            calls.append(off)
+        if fail_after is not None and calls is not None and len(calls) > fail_after:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        time.sleep(delay)
+        real(fd, buf, off)
+
+    monkeypatch.setattr(slot_files, "pwrite_full", slow)
+
+
+SLOT = HEADER_SIZE + align_up(CHUNK)
+
+
+def capacity(slots: int) -> float:
+    return (slots * SLOT + 1) / (1 << 30)
+
+
+def test_prepared_files_hold_zeros_to_capacity_and_writes_then_never_fallocate(tier_config, monkeypatch):
+    n = 24
+    cfg = tier_config(ssd_capacity_gb=capacity(n), file_size_gb=capacity(10), grow_step_mb=1, prepare_slots=True)
+    t = SSDTier(cfg, CHUNK)
+    try:
+        assert t.wait_prepared(30)
+        sizes = sorted(os.path.getsize(t.io.files.path(i)) for i in range(3))
+        assert sizes == [4 * t.slot_size, 10 * t.slot_size, 10 * t.slot_size]  # each file's share, not more
+        for i in range(3):
+            with open(t.io.files.path(i), "rb") as f:
+                assert not any(f.read())  # zeros, every byte
+        grown = []
+        real = os.posix_fallocate
+        monkeypatch.setattr(os, "posix_fallocate", lambda *a: grown.append(a) or real(*a))
+        data = {f"k{i}": ssd_testing.payload(i, CHUNK) for i in range(n)}
+        for k, v in data.items():
+            assert put(t, k, v)
+        assert grown == []  # every chunk went into a prepared slot
+        for k, v in data.items():
+            assert np.array_equal(get(t, k), v)
+    finally:
+        t.close()
+    t = SSDTier(cfg, CHUNK)  # prepared once per directory: a restart finds the files whole and writes no zeros
+    try:
+        assert t.wait_prepared(30)
+        assert t.io.files.allocated_slots() == n
+        for k, v in data.items():
+            assert np.array_equal(get(t, k), v)
+    finally:
+        t.close()
+
+
+def test_without_prepare_slots_nothing_is_zeroed(tier_config):
+    t = SSDTier(tier_config(ssd_capacity_gb=capacity(24), grow_step_mb=1), CHUNK)
+    try:
+        time.sleep(0.3)
+        assert t.io.files.allocated_slots() == 0 and not t.wait_prepared(0.01)
+    finally:
+        t.close()
+
+
+def test_writers_meeting_the_preparer_never_lose_a_chunk(tier_config, monkeypatch):
+    """Stores arrive while zeros are being written into the slots they need: every committed chunk reads back
+    bit-exact (now and after a restart), and the preparation still completes once the stores stop."""
+    calls: list[int] = []
+    slow_zero_writes(monkeypatch, 0.002, calls)
+    n = 40
+    cfg = tier_config(ssd_capacity_gb=capacity(n), file_size_gb=capacity(16), grow_step_mb=1, prepare_slots=True)
+    t = SSDTier(cfg, CHUNK)
+    data = {}
+    try:
+        rng = np.random.default_rng(7)
+        for i in range(n):
+            if i % 4 == 0:
+                time.sleep(float(rng.uniform(0.03, 0.08)))  # idle long enough for the preparer to claim a step
+            k = f"k{i}"
+            data[k] = ssd_testing.payload(100 + i, CHUNK)
+            assert put(t, k, data[k])
+        assert calls, "the preparer never ran between the stores"
+        assert t.stats.committed == n
+        for k, v in data.items():
+            assert np.array_equal(get(t, k), v), k
+        assert t.wait_prepared(60)
+    finally:
+        t.close()
+    t = SSDTier(cfg, CHUNK)
+    try:
+        for k, v in data.items():
+            assert np.array_equal(get(t, k), v), k
+    finally:
+        t.close()
+
+
+def test_a_store_waits_for_the_zero_request_on_its_way_into_its_slot(tier_config, monkeypatch):
+    """The preparer is held inside its first zero request, over the very slot the next store takes; the store
+    must wait for it (without the wait, its chunk is committed and then zeroed: lost)."""
+    entered, go = threading.Event(), threading.Event()
+    real = slot_files.pwrite_full
+
+    def held(fd, buf, off):
+        if not entered.is_set():
+            entered.set()
+            go.wait(10)
+        real(fd, buf, off)
+
+    monkeypatch.setattr(slot_files, "pwrite_full", held)
+    cfg = tier_config(ssd_capacity_gb=capacity(20), grow_step_mb=1, prepare_slots=True)
+    t = SSDTier(cfg, CHUNK)
+    try:
+        assert entered.wait(10)
+        data = ssd_testing.payload(5, CHUNK)
+        done = []
+        store = threading.Thread(target=lambda: done.append(put(t, "k", data)))
+        store.start()
+        time.sleep(0.2)  # the store reaches its slot while the zeros are held
+        go.set()
+        store.join(10)
+        assert done == [True]
+        assert np.array_equal(get(t, "k"), data)
+        assert t.wait_prepared(30)
+        assert np.array_equal(get(t, "k"), data)
+    finally:
+        go.set()
+        t.close()
+
+
+def test_preparer_yields_to_a_read_in_progress(tier_config, monkeypatch):
+    calls: list[int] = []
+    slow_zero_writes(monkeypatch, 0.001, calls)
+    cfg = tier_config(ssd_capacity_gb=capacity(200), grow_step_mb=1, prepare_slots=False)
+    t = SSDTier(cfg, CHUNK)
+    assert put(t, "a", ssd_testing.payload(1, CHUNK))
+    t.close()
+    t = SSDTier(tier_config(ssd_capacity_gb=capacity(200), grow_step_mb=1, prepare_slots=True), CHUNK)
+    try:
+        holding, release = threading.Event(), threading.Event()
+        got = []
+
+        def alloc(key, m):
+            holding.set()
+            release.wait(10)  # the read stays in progress until released
+            return memoryview(bytearray(m.nbytes)), key
+
+        reader = threading.Thread(target=lambda: got.append(t.read_batch(["a"], alloc, lambda h: None)))
+        before = len(calls)
+        reader.start()
+        assert holding.wait(5)
+        n0 = len(calls)
+        time.sleep(0.3)
+        assert len(calls) - n0 <= 1  # at most the request already on its way when the read began
+        release.set()
+        reader.join(10)
+        assert got == [["a"]]
+        assert t.wait_prepared(60) and len(calls) > n0 >= before
+    finally:
+        release.set()
+        t.close()
+
+
+def test_full_disk_while_preparing_is_logged_once_and_the_tier_grows_as_without_it(tier_config, monkeypatch, caplog):
+    calls: list[int] = []
+    slow_zero_writes(monkeypatch, 0.0, calls, fail_after=20)
+    cfg = tier_config(ssd_capacity_gb=capacity(20), grow_step_mb=1, prepare_slots=True)
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        t = SSDTier(cfg, CHUNK)
+        try:
+            deadline = time.monotonic() + 10
+            while len(calls) <= 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not t.wait_prepared(0.3)
+            assert t._preparer is not None and not t._preparer.is_alive()
+            data = {f"k{i}": ssd_testing.payload(i, CHUNK) for i in range(20)}
+            for k, v in data.items():
+                assert put(t, k, v)
+            for k, v in data.items():
+                assert np.array_equal(get(t, k), v)
+        finally:
+            t.close()
+    lines = [r for r in caplog.records if "preparing slot files" in r.getMessage()]
+    assert len(lines) == 1 and "No space left" in lines[0].getMessage()
+
+
+def test_close_stops_a_preparation_in_progress(tier_config, monkeypatch):
+    calls: list[int] = []
+    slow_zero_writes(monkeypatch, 0.005, calls)
+    t = SSDTier(tier_config(ssd_capacity_gb=capacity(200), grow_step_mb=1, prepare_slots=True), CHUNK)
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t.close()
+    done = len(calls)
+    time.sleep(0.1)
+    pieces = 200 * SLOT // slot_files.ZERO_PIECE
+    assert not t._preparer.is_alive() and len(calls) == done and 0 < done < pieces // 2
