@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.eviction import EvictionPolicy
@@ -133,9 +133,11 @@ class SlotIndex:
 
     # ------------------------------------------------------------------ journal replay
     def replay(self, records: Sequence[JournalRecord], *, max_nbytes: int,
-               is_allocated: Callable[[int], bool] = lambda slot: True) -> ReplayReport:
+               is_allocated: Callable[[int], bool] = lambda slot: True,
+               all_allocated: Callable[[Iterable[int]], bool] | None = None) -> ReplayReport:
         """Rebuild the index from journal records (file order = commit order). Records naming a slot beyond the
-        capacity or a chunk larger than a slot are skipped and counted; per slot and per key the newest generation
+        capacity, not allocated on disk (`is_allocated`; `all_allocated` answers for many slots at once) or a chunk
+        larger than a slot are skipped and counted; per slot and per key the newest generation
         wins, whatever order the records come in; a FREE record frees only the generation it names."""
         with self.lock:
             entries, owner = self._entries, self._slot_owner
@@ -169,7 +171,7 @@ class SlotIndex:
             # oldest first.
             dropped = 0
             top = max(owner, default=-1)
-            if top >= self.capacity or len(entries) > self.capacity or not all(map(is_allocated, owner)):
+            if top >= self.capacity or len(entries) > self.capacity or not (all_allocated(owner) if all_allocated else all(map(is_allocated, owner))):
                 for key, e in list(entries.items()):
                     if e.slot >= self.capacity or len(entries) > self.capacity or not is_allocated(e.slot):
                         del entries[key]

@@ -19,6 +19,7 @@ once per episode and counted per chunk.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import threading
@@ -100,7 +101,16 @@ class SSDTier:
                                    slot_size=self.slot_size, pin_timeout_s=config.pin_timeout_s,
                                    layout_ok=layout_ok, on_slot_freed=self.io.free, stats=self.stats)
             t0 = time.perf_counter()
-            self._rebuild()
+            # The replay allocates an index entry per chunk: with the cyclic collector on, its passes over a large
+            # process heap (an engine's) doubled the time (100k slots: 1.3-1.7 s against 0.6-0.8 s). Nothing the
+            # replay builds is cyclic garbage, so the collector waits until it is done.
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                self._rebuild()
+            finally:
+                if collecting:
+                    gc.enable()
             self.rebuild_seconds = time.perf_counter() - t0
         except BaseException:
             if self.io is not None:
@@ -135,7 +145,8 @@ class SSDTier:
     def _rebuild(self) -> None:
         load = self.io.load_journal()
         report = self.index.replay(load.records, max_nbytes=self.slot_size - HEADER_SIZE,
-                                   is_allocated=self.io.files.is_allocated)
+                                   is_allocated=self.io.files.is_allocated,
+                                   all_allocated=self.io.files.all_allocated)
         self.stats.journal_damaged_records += load.damaged_ranges
         if load.damaged_ranges or report.dropped_invalid or report.stale:
             logger.warning("SSD journal %s: skipped %d damaged byte range(s) (%d bytes), %d record(s) naming chunks "

@@ -230,3 +230,33 @@ def test_close_stops_a_preparation_in_progress(tier_config, monkeypatch):
     time.sleep(0.1)
     pieces = 200 * SLOT // slot_files.ZERO_PIECE
     assert not t._preparer.is_alive() and len(calls) == done and 0 < done < pieces // 2
+
+
+def test_all_allocated_agrees_with_is_allocated_slot_by_slot(tmp_path):
+    """The restart's one-shot check of many slots (numpy) against the per-slot rule, on random extents."""
+    rng = np.random.default_rng(3)
+    files = slot_files.SlotFiles(str(tmp_path), 8192, slots_per_file=7, grow_step_slots=1, o_direct=False)
+    try:
+        for trial in range(200):
+            files._extent = {i: int(rng.integers(0, 8)) for i in range(int(rng.integers(0, 4)))}
+            slots = [int(s) for s in rng.integers(-1 if trial % 50 == 0 else 0, 30, size=int(rng.integers(0, 6)))]
+            assert files.all_allocated(slots) == all(s >= 0 and files.is_allocated(s) for s in slots), (files._extent,
+                                                                                                          slots)
+    finally:
+        files.close()
+
+
+def test_the_restart_leaves_the_garbage_collector_as_it_found_it(tier_config):
+    import gc
+
+    cfg = tier_config()
+    SSDTier(cfg, CHUNK).close()
+    assert gc.isenabled()
+    SSDTier(cfg, CHUNK).close()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        SSDTier(cfg, CHUNK).close()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
