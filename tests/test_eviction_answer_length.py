@@ -564,3 +564,41 @@ def test_stratified_ghosts_split_one_sample_and_average_it():
     assert pol._h == pytest.approx(mean) and pol._h != pol.ghost.hit_prob
     with pytest.raises(ValueError, match="ghost_strata"):
         AnswerLengthPolicy(ghost_strata=0)
+
+
+def _first_turn_then_crowd(follow_up_at: float) -> list[TraceRequest]:
+    """A 4-chunk first turn at t=0, then ten one-off 8-chunk first turns (t=1..10) that crowd a 12-block tier,
+    then the first conversation's follow-up (its 3 history chunks and 2 new ones) at `follow_up_at`."""
+    reqs = [(0.0, (100, 101, 102, 103))]
+    nid = 1000
+    for i in range(10):
+        reqs.append((1.0 + i, tuple(range(nid, nid + 8))))
+        nid += 8
+    reqs.append((follow_up_at, (100, 101, 102, 200, 201)))
+    return [TraceRequest(i, t, c, 512 * len(c), 300, 0, None, 1) for i, (t, c) in enumerate(reqs)]
+
+
+def _follow_up_hits(reqs: list[TraceRequest], **kw) -> int:
+    clock = ReplayClock()
+    p = make_policy("answer-length", production=False, clock=clock, **kw)
+    p.set_capacity(12)
+    scored = simulate(reqs, p, 12, clock=clock, score_from=reqs[-1].timestamp)
+    assert not p._prob or all(s.prot for s in p._prob.values())
+    return scored["host_hits"]
+
+
+def test_first_turn_probation_protects_a_revisited_first_turn():
+    """With probation on (small first turns only, so the crowd is not protected), the first turn's history
+    survives the crowd and its follow-up inside the window hits all 3 chunks; with it off (the default) the
+    crowd evicts it; a follow-up after the window misses with probation on too (released, then evicted)."""
+    on = {"probation_share": 0.5, "probation_s": 30.0, "probation_max_blocks": 4}
+    inside = _first_turn_then_crowd(20.0)
+    assert _follow_up_hits(inside) == 0
+    assert AnswerLengthConfig().probation_share == 0.0
+    assert _follow_up_hits(inside, **on) == 3
+    late = _first_turn_then_crowd(60.0)
+    # 9 new chunks at t=45: room for them exists without touching a still-protected 3-chunk first turn
+    late.insert(-1, TraceRequest(len(late) - 1, 45.0, tuple(range(5000, 5009)), 4608, 300, 0, None, 1))
+    late[-1] = TraceRequest(len(late) - 1, 60.0, late[-1].hash_ids, 2560, 300, 0, None, 1)
+    assert _follow_up_hits(late, **on) == 0
+    assert _follow_up_hits(late, **{**on, "probation_s": 100.0}) == 3  # still inside a longer window: kept

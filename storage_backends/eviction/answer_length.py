@@ -91,6 +91,7 @@ GAP_EDGES = (45, 180)  # seconds between a session's two latest turns, after "fi
 SHARE_EDGES = (3, 5, 9, 17)  # reads of a shared/orphan chunk: 1-2, 3-4, 5-8, 9-16, 17+
 
 HIST, TAIL, SHARED, ORPHAN = 0, 1, 2, 3  # chunk kinds (HIST: a session's history chunks)
+_PROTECT = 1e9  # added to a protected first turn's score: it goes after every unprotected unit
 
 # Predictor features; value 0 of every group but "kind" means "not applicable / unknown".
 FEATURES = FeatureSpace(
@@ -154,6 +155,18 @@ class AnswerLengthConfig:
     #: stratified ghosts: residues 0..N-1 of the sampling hash, one Belady each at the same rate, h is their mean
     #: (labels come from the first); N times the ghost's cost and memory at the same `ghost_capacity`
     ghost_strata: int = 1
+    #: first-turn probation: a new conversation's history is protected (evicted only after every unprotected
+    #: unit) for `probation_s` seconds after its first turn, while the protected first turns hold at most this
+    #: share of the capacity (the oldest leave first); 0 disables it. With `probation_adapt` > 0 this is the
+    #: starting share and it adapts online (ARC-like), within [0, `probation_max_share`]
+    probation_share: float = 0.0
+    probation_s: float = 180.0  #: how long a first turn stays protected if no follow-up comes
+    #: adaptation step per missed block: a first follow-up that misses history chunks of an unprotected first
+    #: turn grows the share by this many blocks per missed chunk; a deeper turn's misses shrink it as much
+    probation_adapt: float = 0.0
+    probation_max_share: float = 0.5
+    probation_max_blocks: int = 0  #: only first turns of at most this many chunks enter probation (0: all)
+    probation_min_blocks: int = 0  #: ... and of at least this many
     max_sessions: int = 100_000
     max_items: int = 200_000
     max_ghost_keys: int = 200_000
@@ -323,6 +336,12 @@ class AnswerLengthPolicy(EvictionPolicy):
         self._since_refresh = 0
         self._used = 0
         self._hwm = 0
+        # first-turn probation: protected sessions in first-turn order; the share they may hold (bytes; < 0:
+        # not set yet, fixed from the capacity at first use)
+        self._prob: OrderedDict[int, Session] = OrderedDict()
+        self._prob_on = cfg.probation_share > 0.0 or cfg.probation_adapt > 0.0
+        self._prob_target = -1.0
+        self._missing = 0  # history chunks of the latest follow-up that were not resident (set by `_turn`)
         self._refresh()
         # fallback machinery
         self.mode = self.name  #: which ordering evicts now: "answer-length" or a fallback baseline's name
@@ -411,11 +430,13 @@ class AnswerLengthPolicy(EvictionPolicy):
     # ------------------------------------------------------------------ predictor
     def _turn(self, s: Session, chain: Sequence[Key], follow_up: bool) -> Turn:
         hits = 1
+        self._missing = 0
         if follow_up:
             repeated = len(chain) - s.new_blocks
             keys = self._keys
             n = sum(1 for k in itertools.islice(chain, repeated) if k in keys)
             hits = 2 if n == 0 else (4 if n >= repeated else 3)
+            self._missing = max(0, repeated - n)
         return self.turn_features(s.depth, s.new_blocks, len(chain), s.prev_gap, hits)
 
     def turn_features(self, depth: int, new_blocks: int, chain_len: int, prev_gap: float | None,
@@ -547,6 +568,8 @@ class AnswerLengthPolicy(EvictionPolicy):
         else:
             n = len(u.keys)
             size = u.nbytes / n if n else 1.0
+            if u.prot:
+                score += _PROTECT
         if size != 1 and self._keys:
             score *= self._used / (len(self._keys) * size)  # per byte (relative to the mean chunk)
         u.ver += 1
@@ -606,6 +629,49 @@ class AnswerLengthPolicy(EvictionPolicy):
             return None
         return next((x[0] for x in self._heap if x[3] is unit and x[4] == unit.ver), None)
 
+    # ------------------------------------------------------------------ first-turn probation
+    def _probation(self, s: Session, follow_up: bool, now: float) -> None:
+        """First-turn probation at a request's arrival (`s`: its session, already begun): a new conversation
+        enters the protected queue; a follow-up leaves it (and adapts the share from whether its history was
+        resident); then first turns older than the window, and the oldest beyond the share, are released to
+        the normal ordering."""
+        cfg = self.cfg
+        cap = float(self.capacity or self._hwm)
+        if self._prob_target < 0.0 and cap > 0:
+            self._prob_target = cfg.probation_share * cap
+        if follow_up:
+            if s.prot:
+                s.prot = False
+                s.ver += 1
+                self._prob.pop(s.sid, None)
+            elif cfg.probation_adapt > 0.0 and self._missing:
+                step = cfg.probation_adapt * self._missing * (self._used / len(self._keys) if self._keys else 1.0)
+                t = self._prob_target + (step if s.depth == 2 else -step)
+                self._prob_target = min(max(t, 0.0), cfg.probation_max_share * cap)
+        elif (cfg.probation_min_blocks <= s.chain_len
+              and (not cfg.probation_max_blocks or s.chain_len <= cfg.probation_max_blocks)):
+            s.prot = True
+            self._prob[s.sid] = s
+        prob = self._prob
+        if not prob:
+            return
+        total = 0.0
+        for p in prob.values():
+            total += p.nbytes
+        limit = self._prob_target if self._prob_target >= 0.0 else math.inf
+        oldest = now - cfg.probation_s
+        while prob:
+            p = next(iter(prob.values()))
+            if p.last_time >= oldest and total <= limit:
+                break
+            del prob[p.sid]
+            p.prot = False
+            total -= p.nbytes
+            if p.filed:
+                self._rescore(p, now)
+            else:
+                p.ver += 1  # a kept score of it was a protected one
+
     # ------------------------------------------------------------------ unit bookkeeping
     def _set_session(self, s: Session, cls: int, now: float) -> None:
         s.cls = cls
@@ -661,6 +727,8 @@ class AnswerLengthPolicy(EvictionPolicy):
         s.lb = 0
         s.item = None
         s.turn = self._turn(s, chain, follow_up)
+        if self._prob_on:
+            self._probation(s, follow_up, now)
         s.x = self._features(s.turn, HIST, 0)
         self._set_session(s, self._hist_class(s.depth, s.new_blocks), now)
         last = len(chain) - 1

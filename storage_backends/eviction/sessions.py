@@ -27,7 +27,8 @@ class Session:
 
     __slots__ = (
         "sid", "depth", "chain_len", "first_key", "tail_keys", "last_time", "answer_tokens", "keys", "new_blocks",
-        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch", "__weakref__",
+        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch", "prot",
+        "__weakref__",
     )
 
     def __init__(self, sid: int, now: float) -> None:
@@ -53,6 +54,7 @@ class Session:
         self.entry = None  #: its latest heap entry, with when it stops being current (the policy's)
         self.until = 0.0
         self.epoch = -1
+        self.prot = False  #: in the policy's first-turn probation (protected from eviction for a while)
 
     def __repr__(self) -> str:
         return f"Session(sid={self.sid}, depth={self.depth}, keys={len(self.keys)}, answer={self.answer_tokens})"
