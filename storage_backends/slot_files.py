@@ -110,19 +110,19 @@ class SlotFiles:
         idx, pos = self._split(slot)
         return pos < self._extent.get(idx, 0)
 
-    def all_allocated(self, slots: Iterable[int]) -> bool:
-        """`is_allocated` of every slot, at once (a restart checks 100k slots in a few ms, not a quarter second)."""
+    def unallocated(self, slots: Iterable[int]) -> set[int]:
+        """The slots among `slots` that are not allocated on disk (negative ones included), in one numpy pass: a
+        restart checks 100k slots in a few ms, not the quarter second of `is_allocated` per slot."""
         arr = np.fromiter(slots, dtype=np.int64)
         if not len(arr):
-            return True
-        if arr.min() < 0:
-            return False
-        idx, pos = np.divmod(arr, self.slots_per_file)
-        extent = np.zeros(int(idx.max()) + 1, dtype=np.int64)
+            return set()
+        idx, pos = np.divmod(arr, self.slots_per_file)  # a negative slot gets a negative file index
+        extent = np.zeros(max(int(idx.max()), 0) + 1, dtype=np.int64)
         for i, n in self._extent.items():
             if i < len(extent):
                 extent[i] = n
-        return bool((pos < extent[idx]).all())
+        bad = (idx < 0) | (pos >= extent[np.maximum(idx, 0)])
+        return set(arr[bad].tolist())
 
     def ensure(self, slot: int, limit: int | None = None) -> None:
         """Grow the slot's file (by whole steps, never past slot `limit - 1`, the tier's capacity) so that the

@@ -133,11 +133,10 @@ class SlotIndex:
 
     # ------------------------------------------------------------------ journal replay
     def replay(self, records: Sequence[JournalRecord], *, max_nbytes: int,
-               is_allocated: Callable[[int], bool] = lambda slot: True,
-               all_allocated: Callable[[Iterable[int]], bool] | None = None) -> ReplayReport:
+               unallocated: Callable[[Iterable[int]], set[int]] = lambda slots: set()) -> ReplayReport:
         """Rebuild the index from journal records (file order = commit order). Records naming a slot beyond the
-        capacity, not allocated on disk (`is_allocated`; `all_allocated` answers for many slots at once) or a chunk
-        larger than a slot are skipped and counted; per slot and per key the newest generation
+        capacity, not allocated on disk (`unallocated` names those among the slots it is given) or a chunk larger
+        than a slot are skipped and counted; per slot and per key the newest generation
         wins, whatever order the records come in; a FREE record frees only the generation it names."""
         with self.lock:
             entries, owner = self._entries, self._slot_owner
@@ -171,9 +170,10 @@ class SlotIndex:
             # oldest first.
             dropped = 0
             top = max(owner, default=-1)
-            if top >= self.capacity or len(entries) > self.capacity or not (all_allocated(owner) if all_allocated else all(map(is_allocated, owner))):
+            missing = unallocated(owner)
+            if top >= self.capacity or len(entries) > self.capacity or missing:
                 for key, e in list(entries.items()):
-                    if e.slot >= self.capacity or len(entries) > self.capacity or not is_allocated(e.slot):
+                    if e.slot >= self.capacity or len(entries) > self.capacity or e.slot in missing:
                         del entries[key]
                         del owner[e.slot]
                         dropped += 1

@@ -145,8 +145,7 @@ class SSDTier:
     def _rebuild(self) -> None:
         load = self.io.load_journal()
         report = self.index.replay(load.records, max_nbytes=self.slot_size - HEADER_SIZE,
-                                   is_allocated=self.io.files.is_allocated,
-                                   all_allocated=self.io.files.all_allocated)
+                                   unallocated=self.io.files.unallocated)
         self.stats.journal_damaged_records += load.damaged_ranges
         if load.damaged_ranges or report.dropped_invalid or report.stale:
             logger.warning("SSD journal %s: skipped %d damaged byte range(s) (%d bytes), %d record(s) naming chunks "

@@ -303,6 +303,34 @@ def test_journal_torn_tail_is_cut(tier_config):
         t2.close()
 
 
+def test_restart_drops_chunks_whose_slots_a_cut_file_no_longer_holds(tier_config):
+    """A slot file cut short between runs (3 of 8 slots left): the restart indexes exactly the chunks whose slots
+    still exist, never the others (they would be lookups that hit and reads that miss), and the cut slots are
+    written again afterwards."""
+    cfg = tier_config(ssd_capacity_gb=0.01, grow_step_mb=1)
+    t = SSDTier(cfg, CHUNK)
+    data = {f"k{i}": payload(i) for i in range(8)}
+    for k, v in data.items():
+        assert put(t, k, v)
+    slots = {k: t.index.get(k).slot for k in data}
+    path = t.io.files.path(0)
+    t.close()
+    os.truncate(path, 3 * t.slot_size)
+    t = SSDTier(cfg, CHUNK)
+    try:
+        kept = {k for k, s in slots.items() if s < 3}
+        assert len(kept) == 3 and set(t.keys()) == kept
+        for k in data:
+            assert t.contains(k) == (k in kept)
+        for k in kept:
+            assert np.array_equal(get(t, k), data[k])
+        for i in range(8, 13):
+            assert put(t, f"k{i}", payload(i))
+            assert np.array_equal(get(t, f"k{i}"), payload(i))
+    finally:
+        t.close()
+
+
 def test_rebuild_of_many_slots(tier_config):
     """20k committed records rebuild into exactly 20k chunks (benchmarks/ssd_tier.py times 100k)."""
     from kvtier.storage_backends.journal import Journal
