@@ -459,19 +459,19 @@ class SSDTier:
         step = max(1, PREPARE_STEP_BYTES // self.slot_size)
         t0, before, zeroed = time.monotonic(), files.allocated_slots(), 0
         try:
-            while not self._closed:
+            while True:
+                if self._closed:
+                    return
                 if not self._idle():
                     self._wake.wait(PREPARE_IDLE_S / 2)
                     continue
                 job = files.begin_preparation(self.index.capacity, step)
                 if job is None:
-                    break
+                    break  # every file holds its share of the capacity
                 reached = files.zero_fill(job, self._idle)
                 files.end_preparation(job, reached)
                 zeroed += reached - job.first
                 M.SSD_PREPARED_BYTES.inc((reached - job.first) * self.slot_size)
-            else:
-                return
         except OSError as e:
             logger.warning("SSD tier: preparing slot files under %s stopped after %.1f GiB (%s); new slots are "
                            "fallocated as they are needed", self.directory, zeroed * self.slot_size / (1 << 30), e)
