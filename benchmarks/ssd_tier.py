@@ -38,7 +38,6 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
-from kvtier.storage_backends import ssd_io  # noqa: E402
 from kvtier.storage_backends.posix_io import aligned_buffer, open_file, pread_full, pwrite_full  # noqa: E402
 from kvtier.tools.engine_factory import (  # noqa: E402
     ModelShape,
@@ -220,21 +219,16 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
     if args.ab_read_piece_mib:
         # A/B in the same run: the same plugin with reads pieced at another size (e.g. one piece per segment)
         engines[f"{PLUGIN} piece {args.ab_read_piece_mib} MiB"] = (
-            engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-b-{r}"), wait_kvtier, kvtier_backend)
+            engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-b-{r}")
+            + f"  kvtier.read_piece_mb: {args.ab_read_piece_mib}\n", wait_kvtier, kvtier_backend)
     methods: dict[str, EngineMethod] = {}
     raw = RawFile(os.path.join(tmp, f"raw-{r}.dat"))
     raw_b = RawFile(os.path.join(tmp, f"rawb-{r}.dat"))
     raw_big = RawFile(os.path.join(tmp, f"rawbig-{r}.dat"), block=32 << 20)  # the plugin's request size
     try:
         for name, (body, wait, backend_of) in engines.items():
-            if name.startswith(f"{PLUGIN} piece"):
-                ssd_io.READ_PIECE, keep = args.ab_read_piece_mib << 20, ssd_io.READ_PIECE  # read at SlotIO's start
-            try:
-                methods[name] = EngineMethod(engine_yaml(tmp, f"{name}-{r}".replace(" ", "_"), chunk, host_gb, body),
-                                             shape, chunk, wait, backend_of)
-            finally:
-                if name.startswith(f"{PLUGIN} piece"):
-                    ssd_io.READ_PIECE = keep
+            methods[name] = EngineMethod(engine_yaml(tmp, f"{name}-{r}".replace(" ", "_"), chunk, host_gb, body),
+                                         shape, chunk, wait, backend_of)
 
         if PREPARED in methods:
             t0 = time.perf_counter()

@@ -37,6 +37,7 @@ class KVTierConfig:
     grow_step_mb: int = 1024
     prepare_slots: bool = False
     io_block_mb: int = 32
+    read_piece_mb: int = 8
     max_inflight_write_mb: int = 2048
     backpressure_timeout_s: float = 10.0
     pin_timeout_s: float = 600.0
@@ -87,6 +88,10 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("io_block_mb", "int", "Chunks are read and written as independent requests of this size, spread over "
             "the I/O threads (a 256-token Llama-3-8B chunk, 32 MiB, is one request: with several chunks in flight "
             "that kept the disk busier than 4 MiB pieces of one chunk did).", minimum=1),
+    KeySpec("read_piece_mb", "int", "Reads cut each block into requests of at most this size, all in flight at "
+            "once and each checksummed as it lands (so the CRCs trail the last byte by one piece). Which size the "
+            "disk prefers varies: 8 MiB read 1.17x one request per 32 MiB block on one VM, 0.88-0.93x on another "
+            "(`benchmarks/ssd_tier.py --ab-read-piece-mib`); measure yours. Capped at io_block_mb.", minimum=1),
     KeySpec("max_inflight_write_mb", "int", "Host memory that queued SSD writes may hold (in the LMCache plugin "
             "at most half of max_local_cpu_size, so LMCache never runs out of room for a store); stores beyond it "
             "wait (back-pressure) before being dropped and counted.", minimum=1),

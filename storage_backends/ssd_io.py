@@ -5,7 +5,7 @@ It moves bytes and says whether they are good; it decides nothing about which ch
   caller's buffer where aligned, else through a per-thread bounce buffer) while their CRC-32s are computed on the
   checksum threads; then the header (key, generation, sizes, dtype, shape, format, CRCs) is written; then every file
   touched is `fdatasync`ed. Only after that may the caller append the chunks' COMMIT records (`commit`, fsync'd).
-- `read`: every segment is read in pieces of at most READ_PIECE, all in parallel, straight into the destination
+- `read`: every segment is read in pieces of at most `read_piece` bytes (`kvtier.read_piece_mb`), all in parallel, straight into the destination
   (the header travels with the first piece, one request); each piece's CRC-32 is computed as soon as it lands and
   the pieces' CRCs are combined into the segment's, so checking a batch trails its last byte by one piece; the header must name the expected key, generation and metadata and every segment's CRC must
   match, or the read's verdict is the reason it failed (never wrong bytes reported as good).
@@ -58,8 +58,8 @@ logger = logging.getLogger(__name__)
 
 #: threads computing segment checksums beside the I/O threads
 _CRC_THREADS = 2
-#: reads cut each segment into pieces of at most this size, each its own request, checked as soon as it lands:
-#: the checksums of a batch then trail its last byte by one piece, not by a whole segment per I/O thread
+#: the default read piece: reads cut each segment into pieces of at most this size, each its own request, checked
+#: as soon as it lands: the checksums of a batch then trail its last byte by one piece, not by a whole segment
 READ_PIECE = 8 << 20
 
 
@@ -88,7 +88,8 @@ class SlotRead:
 
 class SlotIO:
     def __init__(self, directory: str, slot_size: int, *, seg: int, o_direct: bool, io_threads: int,
-                 io_engine: str, durable: bool, slots_per_file: int, grow_step_slots: int) -> None:
+                 io_engine: str, durable: bool, slots_per_file: int, grow_step_slots: int,
+                 read_piece: int = READ_PIECE) -> None:
         self.directory = directory
         self.slot_size = slot_size
         self.seg = seg
@@ -100,7 +101,7 @@ class SlotIO:
         self._kvikio = KvikioFiles(io_threads) if self.engine == "kvikio" else None
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         #: reads: as many threads as keep `io_threads` whole segments in flight in pieces
-        self.read_piece = min(READ_PIECE, max(ALIGN, seg))
+        self.read_piece = min(align_up(max(ALIGN, read_piece)), max(ALIGN, seg))
         self._rd = ThreadPoolExecutor(max_workers=io_threads * -(-seg // self.read_piece),
                                       thread_name_prefix="kvtier-read")
         # Checksums run beside the I/O threads, not on them: an I/O thread issues its next request while the

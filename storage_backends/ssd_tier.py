@@ -91,6 +91,7 @@ class SSDTier:
                 self.io = SlotIO(
                     self.directory, self.slot_size, seg=self.seg, o_direct=config.o_direct,
                     io_threads=config.io_threads, io_engine=config.io_engine, durable=config.durable_writes,
+                    read_piece=config.read_piece_mb << 20,
                     slots_per_file=max(1, int(config.file_size_gb * (1 << 30)) // self.slot_size),
                     grow_step_slots=max(1, (config.grow_step_mb << 20) // self.slot_size))
             except OSError as e:

@@ -377,19 +377,29 @@ def test_files_never_grow_past_the_capacity(tier_config):
         t.close()
 
 
-@pytest.mark.parametrize("o_direct", [True, False])
-def test_segments_read_in_pieces_verify_every_piece(tier_config, monkeypatch, o_direct):
-    """Reads cut each segment into pieces checked separately and combined into the segment's CRC: the chunk comes
-    back bit-exact (also into an unaligned destination), and a byte flipped in any piece (the last, shorter piece
-    of the last segment included) is a checksum miss, never data."""
-    from kvtier.storage_backends import ssd_io
+def test_read_piece_is_the_configured_size_capped_at_the_block(tier_config):
+    """`read_piece_mb` sets the read request size, at most one block (`io_block_mb`); 8 MiB by default."""
+    sizes = {}
+    for over in ({}, {"read_piece_mb": 2}, {"read_piece_mb": 64}):
+        t = SSDTier(tier_config(io_block_mb=16, **over), CHUNK)
+        try:
+            sizes[over.get("read_piece_mb")] = t.io.read_piece
+        finally:
+            t.close()
+    assert sizes == {None: 8 << 20, 2: 2 << 20, 64: 16 << 20}
 
-    monkeypatch.setattr(ssd_io, "READ_PIECE", 256 << 10)  # 4 pieces per 1 MiB segment
-    n = (1 << 20) * 2 + (300 << 10) + 17  # 3 segments; the last: a full piece, then 44 KiB + 17 bytes
-    t = SSDTier(tier_config(o_direct=o_direct, io_block_mb=1, ssd_capacity_gb=0.05), n)
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_segments_read_in_pieces_verify_every_piece(tier_config, o_direct):
+    """Reads cut each segment into pieces (`read_piece_mb`) checked separately and combined into the segment's CRC:
+    the chunk comes back bit-exact (also into an unaligned destination), and a byte flipped in any piece (the last,
+    shorter piece of the last segment included) is a checksum miss, never data."""
+    P = 1 << 20
+    n = (4 * P) * 2 + P + (300 << 10) + 17  # 3 segments of 4 MiB; the last: a full piece, then 300 KiB + 17 bytes
+    t = SSDTier(tier_config(o_direct=o_direct, io_block_mb=4, read_piece_mb=1, ssd_capacity_gb=0.1), n)
     try:
-        assert t.io.read_piece == 256 << 10
-        for i, flip in enumerate([None, 1, (256 << 10) * 3 + 5, (1 << 20) + (256 << 10) + 9, n - 1]):
+        assert t.io.read_piece == P
+        for i, flip in enumerate([None, 1, P * 3 + 5, 4 * P + P + 9, n - 1]):
             key, data = f"k{i}", payload(40 + i, n)
             assert put(t, key, data)
             if flip is None:
