@@ -46,7 +46,7 @@ def spec(path, **params) -> dict:
     """The shipped configs/lmcache-mp-l2-kvtier.json with its path (and extra adapter_params) replaced."""
     d = json.load(open(os.path.join(REPO, "configs", "lmcache-mp-l2-kvtier.json")))
     d["adapter_params"]["ssd_path"] = str(path)
-    d["adapter_params"]["ssd_capacity_gb"] = 1.0
+    d["adapter_params"]["ssd_capacity_gb"] = 1 / 16  # 64 MiB (~3,000 chunks): 64 MiB files, not 1 GiB, per test
     d["adapter_params"].update(params)
     return d
 
@@ -202,7 +202,7 @@ def test_round_trip_bit_exact_listing_and_restart(adapters, l1, tmp_path):
     assert res.is_successful() and res.bytes_transferred() == 6 * NBYTES
     a._deliver_events()
     assert sorted(k.chunk_hash for k, _ in rec.stored) == sorted(k.chunk_hash for k in keys)
-    assert a.get_usage().total_bytes_used == 6 * NBYTES and a.get_usage().total_capacity_bytes == 1 << 30
+    assert a.get_usage().total_bytes_used == 6 * NBYTES and a.get_usage().total_capacity_bytes == 1 << 26
     # stored again: a success that writes nothing
     again = store(a, keys[:2], objs[:2])
     assert again.is_successful() and again.bytes_transferred() == 0
