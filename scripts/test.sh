@@ -27,6 +27,7 @@ done
 ids=$(python3 compat/matrix.py list "$selection") || exit 2
 main_id=$(python3 compat/matrix.py list none)
 export LMCACHE_TRACK_USAGE=false VLLM_TARGET_DEVICE=cpu PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$ROOT/.kvtier-import${PYTHONPATH:+:$PYTHONPATH}"  # this clone's sources (scripts/env.sh)
 out="$ROOT/out/compat"
 rm -rf "$out"
 mkdir -p "$out"

@@ -133,7 +133,8 @@ LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])
 
 def _run(tmp: Path, model: Path, sched: str) -> tuple[list[dict], dict]:
     log = tmp / f"log-{sched.rsplit('.', 1)[-1]}.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(tmp), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    path = os.pathsep.join(filter(None, [str(tmp), os.environ.get("PYTHONPATH")]))  # keeps the clone's import
+    env = {**os.environ, "PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     p = subprocess.run([sys.executable, str(tmp / "runner.py"), str(model), str(log), sched], env=env, cwd=tmp,
                        capture_output=True, text=True, timeout=400)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
