@@ -5,10 +5,12 @@ It moves bytes and says whether they are good; it decides nothing about which ch
   caller's buffer where aligned, else through a per-thread bounce buffer) while their CRC-32s are computed on the
   checksum threads; then the header (key, generation, sizes, dtype, shape, format, CRCs) is written; then every file
   touched is `fdatasync`ed. Only after that may the caller append the chunks' COMMIT records (`commit`, fsync'd).
-- `read`: every segment is read in pieces of at most `read_piece` bytes (`kvtier.read_piece_mb`), all in parallel, straight into the destination
-  (the header travels with the first piece, one request); each piece's CRC-32 is computed as soon as it lands and
-  the pieces' CRCs are combined into the segment's, so checking a batch trails its last byte by one piece; the header must name the expected key, generation and metadata and every segment's CRC must
-  match, or the read's verdict is the reason it failed (never wrong bytes reported as good).
+- `read`: every segment is read in pieces of at most `read_piece` bytes (`kvtier.read_piece_mb`), all in parallel
+  (at most _MAX_READ_THREADS requests at once), straight into the destination (the header travels with the first
+  piece, one request); each piece's CRC-32 is computed as soon as it lands and the pieces' CRCs are combined into
+  the segment's, so checking a batch trails its last byte by one piece; the header must name the expected key,
+  generation and metadata and every segment's CRC must match, or the read's verdict is the reason it failed (never
+  wrong bytes reported as good).
 - `free`: FREE records are appended without fsync and never raise (a lost FREE record costs nothing: the slot's
   next COMMIT supersedes it, and a resurrected chunk is still verified on read).
 Errors are per chunk: one chunk's failure never fails the others of its batch.
@@ -61,6 +63,8 @@ _CRC_THREADS = 2
 #: the default read piece: reads cut each segment into pieces of at most this size, each its own request, checked
 #: as soon as it lands: the checksums of a batch then trail its last byte by one piece, not by a whole segment
 READ_PIECE = 8 << 20
+#: small pieces of large blocks queue beyond this many concurrent read requests instead of adding threads
+_MAX_READ_THREADS = 64
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ class SlotIO:
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         #: reads: as many threads as keep `io_threads` whole segments in flight in pieces
         self.read_piece = min(align_up(max(ALIGN, read_piece)), max(ALIGN, seg))
-        self._rd = ThreadPoolExecutor(max_workers=io_threads * -(-seg // self.read_piece),
+        self._rd = ThreadPoolExecutor(max_workers=min(_MAX_READ_THREADS, io_threads * -(-seg // self.read_piece)),
                                       thread_name_prefix="kvtier-read")
         # Checksums run beside the I/O threads, not on them: an I/O thread issues its next request while the
         # segment it just read (or is writing) is being checked, so the disk never waits on the CPU.

@@ -378,7 +378,8 @@ def test_files_never_grow_past_the_capacity(tier_config):
 
 
 def test_read_piece_is_the_configured_size_capped_at_the_block(tier_config):
-    """`read_piece_mb` sets the read request size, at most one block (`io_block_mb`); 8 MiB by default."""
+    """`read_piece_mb` sets the read request size, at most one block (`io_block_mb`); 8 MiB by default; small
+    pieces of large blocks queue for at most 64 read threads."""
     sizes = {}
     for over in ({}, {"read_piece_mb": 2}, {"read_piece_mb": 64}):
         t = SSDTier(tier_config(io_block_mb=16, **over), CHUNK)
@@ -387,6 +388,11 @@ def test_read_piece_is_the_configured_size_capped_at_the_block(tier_config):
         finally:
             t.close()
     assert sizes == {None: 8 << 20, 2: 2 << 20, 64: 16 << 20}
+    t = SSDTier(tier_config(io_block_mb=256, read_piece_mb=1), CHUNK)  # 1,024 pieces in flight would be threads
+    try:
+        assert t.io._rd._max_workers == 64
+    finally:
+        t.close()
 
 
 @pytest.mark.parametrize("o_direct", [True, False])
