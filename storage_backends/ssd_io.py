@@ -60,9 +60,6 @@ logger = logging.getLogger(__name__)
 
 #: threads computing segment checksums beside the I/O threads
 _CRC_THREADS = 2
-#: the default read piece: reads cut each segment into pieces of at most this size, each its own request, checked
-#: as soon as it lands: the checksums of a batch then trail its last byte by one piece, not by a whole segment
-READ_PIECE = 8 << 20
 #: small pieces of large blocks queue beyond this many concurrent read requests instead of adding threads
 _MAX_READ_THREADS = 64
 
@@ -92,8 +89,7 @@ class SlotRead:
 
 class SlotIO:
     def __init__(self, directory: str, slot_size: int, *, seg: int, o_direct: bool, io_threads: int,
-                 io_engine: str, durable: bool, slots_per_file: int, grow_step_slots: int,
-                 read_piece: int = READ_PIECE) -> None:
+                 io_engine: str, durable: bool, slots_per_file: int, grow_step_slots: int, read_piece: int) -> None:
         self.directory = directory
         self.slot_size = slot_size
         self.seg = seg
@@ -104,7 +100,9 @@ class SlotIO:
         self.engine = select_engine(io_engine)
         self._kvikio = KvikioFiles(io_threads) if self.engine == "kvikio" else None
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
-        #: reads: as many threads as keep `io_threads` whole segments in flight in pieces
+        # Reads cut each segment into pieces of at most `read_piece` bytes, each its own request, checked as soon
+        # as it lands (the checksums of a batch trail its last byte by one piece, not by a whole segment), on as
+        # many threads as keep `io_threads` whole segments in flight, at most _MAX_READ_THREADS.
         self.read_piece = min(align_up(max(ALIGN, read_piece)), max(ALIGN, seg))
         self._rd = ThreadPoolExecutor(max_workers=min(_MAX_READ_THREADS, io_threads * -(-seg // self.read_piece)),
                                       thread_name_prefix="kvtier-read")
