@@ -89,7 +89,8 @@ __all__ = [
 READY_ORDERS = ("arrival", "hrrn")
 #: keys of `kv_connector_extra_config["kvtier.scheduler"]` (README, "Using kvtier with vLLM")
 SCHEDULER_KEYS = ("delay_hit", "delay_hit_own_loads", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s",
-                  "mean_window", "ready_order", "idle_replan_counts_arrivals", "hrrn_service_exponent") + LOAD_PLAN_KEYS
+                  "mean_window", "ready_order", "idle_replan_counts_arrivals", "hrrn_service_exponent",
+                  "starvation_lookahead") + LOAD_PLAN_KEYS
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,10 @@ class DualQueueConfig:
     #: HRRN's aging weight: the ready ratio is (waiting time + 1 ms) / service ** this; 1 is plain HRRN, larger
     #: favours short prefills longer (the starvation bound still caps every wait), 0 is FCFS by arrival
     hrrn_service_exponent: float = 1.0
+    #: with `hrrn`: the starvation bound looks ahead - a ready request goes next only if serving it first leaves
+    #: every older ready request able to start within the bound (served in arrival order after it, by their
+    #: service estimates); otherwise the highest-ratio request that does (the oldest one always does)
+    starvation_lookahead: bool = False
     #: the load-or-recompute decision's knobs and cost model (also the service-time estimate of `hrrn`)
     load_plan: LoadPlanConfig = field(default_factory=LoadPlanConfig)
 
@@ -128,7 +133,7 @@ class DualQueueConfig:
         if unknown:
             raise ValueError(f"{prefix}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SCHEDULER_KEYS)}")
         out: dict = {}
-        for key in ("delay_hit", "delay_hit_own_loads", "idle_replan_counts_arrivals"):
+        for key in ("delay_hit", "delay_hit_own_loads", "idle_replan_counts_arrivals", "starvation_lookahead"):
             if key in keys:
                 if not isinstance(keys[key], bool):
                     raise ValueError(f"{prefix}.{key} must be true or false, got {keys[key]!r}")
@@ -260,7 +265,8 @@ class DualQueuePolicy:
         #: the GPU's recent busy share (`observe_gpu_busy`): the idle-GPU re-plan's rate of work arriving meanwhile
         self.gpu_load = GpuLoad()
         #: counters for reports
-        self.stats = {"skipped_oversized": 0, "deferred_delay_hit": 0, "starvation_overrides": 0, "promoted": 0}
+        self.stats = {"skipped_oversized": 0, "deferred_delay_hit": 0, "starvation_overrides": 0, "promoted": 0,
+                      "lookahead_overrides": 0}
 
     # --- bookkeeping ---------------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -421,7 +427,7 @@ class DualQueuePolicy:
             self._ready_work += w.service
             self._work_buckets[_bucket(w.service)] += w.service
             if self._index is not None:
-                self._index.put(rid, w.hint.arrival, w.inv, w.gpu_need, self._deferred(w))
+                self._index.put(rid, w.hint.arrival, w.inv, w.gpu_need, self._deferred(w), w.service)
         elif state is TierState.LOADING:
             self._loading.add(rid)
             w.where = "loading"
@@ -472,7 +478,7 @@ class DualQueuePolicy:
                 self._prep_bytes += hint.ssd_bytes - w.hint.ssd_bytes
             w.hint = hint
             if old == "ready" and self._index is not None:
-                self._index.put(hint.request_id, hint.arrival, w.inv, w.gpu_need, self._deferred(w))
+                self._index.put(hint.request_id, hint.arrival, w.inv, w.gpu_need, self._deferred(w), w.service)
             return
         self._detach(w)
         w.hint = hint
@@ -538,6 +544,9 @@ class DualQueuePolicy:
         thr = self.config.delay_hit_threshold_tokens
         big = free_gpu if free_gpu is not None else float("inf")
         if self._index is not None:  # highest (now + eps - arrival) / service first
+            rid = self._lookahead_pick(now, big)
+            if rid is not None:
+                return rid
             rid, deferred, oversized = self._index.best(now, big)
             self.stats["deferred_delay_hit"] += deferred
             self.stats["skipped_oversized"] += oversized
@@ -551,6 +560,21 @@ class DualQueuePolicy:
             else:
                 return e[2]
         return None
+
+    def _lookahead_pick(self, now: float, free: float, count: bool = True) -> str | None:
+        """With `starvation_lookahead`: the highest-ratio admissible ready request whose service leaves every older
+        one able to start within the starvation bound, when that bound binds (`RatioIndex.allowed`); else None."""
+        if not self.config.starvation_lookahead or self._index is None or len(self._index) < 2:
+            return None
+        cap = self.config.gpu_capacity
+        counted = self._index.counted_mask(cap) if cap is not None else None
+        allowed = self._index.allowed(now, self.starvation_threshold(), counted)
+        if allowed is None:
+            return None
+        rid = self._index.best_allowed(now, free, allowed)
+        if rid is not None and count:
+            self.stats["lookahead_overrides"] += 1
+        return rid
 
     def order(self, now: float, free_gpu: int | None = None, with_prefetch_order: bool = False) -> list[str]:
         """Every waiting request, in the order a scheduler should try them this step.
@@ -576,8 +600,13 @@ class DualQueuePolicy:
                     rest = rest[1:]
                     free -= head.gpu_need
         if rest and self._index is not None:
+            if not out:  # the lookahead's choice goes first (the others keep the ratio order)
+                rid = self._lookahead_pick(now, free, count=False)
+                if rid is not None:
+                    out.append(rid)
+                    free -= self._reqs[rid].gpu_need
             first, other = self._index.order(now, free)
-            if out:  # the starving head is already placed
+            if out:  # the starving head (or the lookahead's choice) is already placed
                 first = [r for r in first if r != out[0]]
                 other = [r for r in other if r != out[0]]
             out.extend(first)

@@ -289,6 +289,39 @@ def test_hrrn_service_exponent_is_the_aging_weight_of_the_ready_order():
         DualQueueConfig.from_keys({"hrrn_service_exponent": -1})
 
 
+def test_starvation_lookahead_serves_old_requests_before_the_bound_is_reached():
+    """With a 20 s bound, older ready requests served in arrival order must each start within it: a request goes
+    first only if its service fits in the slack of every older one (the oldest always does); otherwise HRRN's
+    choice among those that do. Nobody has waited 20 s in these cases, so the plain bound does not act."""
+    def policy(lookahead: bool, *hints: TierHint) -> DualQueuePolicy:
+        p = DualQueuePolicy(DualQueueConfig(ready_order="hrrn", starvation_multiple=1.0, starvation_floor_s=20.0,
+                                            starvation_lookahead=lookahead))
+        for h in hints:
+            p.add(h, 10)
+        return p
+
+    # two old 16k-token prefills (0.67 s each) and a short one with the highest ratio
+    pair = (ready("old-a", 0.0, 16_000), ready("old-b", 0.0, 16_000), ready("mid", 5.0, 1000))
+    on, off = policy(True, *pair), policy(False, *pair)
+    s_old, s_mid = on.service_s(on.hint("old-a")), on.service_s(on.hint("mid"))
+    tight = 20.0 - s_old - 0.5 * s_mid  # old-b starts after old-a: 'mid' first would start it past 20 s
+    roomy = 20.0 - s_old - 2.0 * s_mid
+    assert off.pick(tight) == "mid" and off.order(tight)[0] == "mid"
+    assert on.pick(tight) == "old-a" and on.order(tight)[0] == "old-a"
+    assert on.stats["lookahead_overrides"] >= 1
+    assert on.pick(roomy) == off.pick(roomy) == "mid" and on.order(roomy)[0] == "mid"
+    # not only the oldest: 'y' fits in the slack of the two requests before it, 'z' (HRRN's choice) does not
+    quad = (ready("h", 0.0, 16_000), ready("j", 0.5, 16_000), ready("y", 1.0, 1000), ready("z", 2.0, 500))
+    on, off = policy(True, *quad), policy(False, *quad)
+    now = 21.0 - 2.0 * s_old  # y's own slack is 0: z must not go before it; h and j still have room for y
+    assert now < 20.0
+    assert off.pick(now) == "z" and on.pick(now) == "y" and on.order(now)[0] == "y"
+    cfg = DualQueueConfig.from_keys({"ready_order": "hrrn", "starvation_lookahead": True})
+    assert cfg.starvation_lookahead and "starvation_lookahead" in SCHEDULER_KEYS
+    with pytest.raises(ValueError, match="kvtier.scheduler.starvation_lookahead"):
+        DualQueueConfig.from_keys({"starvation_lookahead": 1})
+
+
 # --- the idle-GPU re-plan under load -------------------------------------------------------------------------------
 
 

@@ -1076,6 +1076,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delay-hit-threshold", type=int, default=100, help="tokens (default 100)")
     parser.add_argument("--starvation-multiple", type=float, default=4.0, help="x mean wait (default 4)")
     parser.add_argument("--starvation-floor", type=float, default=2.0, help="seconds (default 2)")
+    parser.add_argument("--mean-window", type=int, default=None,
+                        help="dispatched requests the starvation bound's mean wait is taken over (default: the policy's)")
+    parser.add_argument("--starvation-lookahead", action="store_true",
+                        help="with +hrrn: a request goes next only if every older ready request can still start within "
+                             "the starvation bound (`starvation_lookahead`)")
     parser.add_argument("--recompute-gpu-weight", type=float, default=None,
                         help="load plan: weight of GPU seconds next to TTFT (default: the policy's)")
     parser.add_argument("--ssd-read-share", type=float, default=0.5,
@@ -1101,6 +1106,10 @@ def _schedulers(arg: str) -> list[str]:
 def policy_config(args: argparse.Namespace) -> DualQueueConfig:
     cfg = DualQueueConfig(delay_hit_threshold_tokens=args.delay_hit_threshold,
                           starvation_multiple=args.starvation_multiple, starvation_floor_s=args.starvation_floor)
+    if getattr(args, "mean_window", None) is not None:
+        cfg = replace(cfg, mean_window=args.mean_window)
+    if getattr(args, "starvation_lookahead", False):
+        cfg = replace(cfg, starvation_lookahead=True)
     if getattr(args, "recompute_gpu_weight", None) is not None:
         cfg = replace(cfg, load_plan=replace(cfg.load_plan, recompute_gpu_weight=args.recompute_gpu_weight))
     return cfg
