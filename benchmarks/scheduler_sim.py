@@ -5,7 +5,8 @@ shared-prefix workload, and the per-step decision cost.
         [--loads 0.85,0.95] [--json OUT] [--plot OUT.png] [--tune]
 
 1. Held out: the knobs below (`TUNED`: kvtier's scheduler, its starvation multiple, the load plan's GPU-time
-   weight, HRRN's aging weight `hrrn_service_exponent`) were chosen with `--tune` on the first 15 minutes of the
+   weight, HRRN's aging weight `hrrn_service_exponent`, the starvation lookahead and the window of dispatches the
+   bound's mean wait is taken over) were chosen with `--tune` on the first 15 minutes of the
    trace (timestamp < 900,000 ms); the report replays the second 15 minutes only (cold tiers), at each load
    (arrival times scaled so that `fcfs` keeps the GPU that busy), under the baselines `fcfs`, `fcfs+prefetch`,
    `recompute` (no host or SSD tier) and kvtier's schedulers, SSD write-back charged. Targets, against the best of
@@ -28,6 +29,7 @@ shared-prefix workload, and the per-step decision cost.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -64,11 +66,12 @@ _clock = time.thread_time
 SPLIT_S = 900.0  # the first 15 minutes tune, the second 15 are held out
 BASELINES = ("fcfs", "fcfs+prefetch", "recompute")
 #: chosen by `--tune` on the first 15 minutes (see `tune`): the scheduler and knobs reported as kvtier's best
-TUNED = {"scheduler": "dual-queue+hrrn", "starvation_multiple": 6.0, "recompute_gpu_weight": 1000.0,
-         "hrrn_service_exponent": 1.0}
-#: `hrrn_service_exponent` (HRRN's aging weight) only varies for the `+hrrn` schedulers
+TUNED = {"scheduler": "dual-queue+hrrn", "starvation_multiple": 8.0, "recompute_gpu_weight": 3.0,
+         "hrrn_service_exponent": 1.5, "starvation_lookahead": True, "mean_window": 1024}
+#: `hrrn_service_exponent` (HRRN's aging weight) and `starvation_lookahead` only vary for the `+hrrn` schedulers
 TUNE_GRID = {"scheduler": ("dual-queue", "dual-queue+hrrn"), "starvation_multiple": (4.0, 6.0, 8.0),
-             "recompute_gpu_weight": (0.0, 3.0, 1000.0), "hrrn_service_exponent": (1.0, 1.5)}
+             "recompute_gpu_weight": (0.0, 3.0, 1000.0), "hrrn_service_exponent": (1.0, 1.5),
+             "starvation_lookahead": (False, True), "mean_window": (256, 1024)}
 TARGET_QUEUE_RATIO = 0.6
 TARGET_TTFT_RATIO = 1.0
 TARGET_DELAY_HIT_CUT = 0.30
@@ -78,9 +81,12 @@ EAGER_NAMES = ("dual-queue+eager-replan", "dual-queue+delay-hit+eager-replan", "
                "dual-queue+hrrn+delay-hit+eager-replan")
 
 
-def policy_config(multiple: float, weight: float, exponent: float = 1.0) -> DualQueueConfig:
-    cfg = DualQueueConfig(starvation_multiple=multiple, hrrn_service_exponent=exponent)
-    return replace(cfg, load_plan=replace(cfg.load_plan, recompute_gpu_weight=weight))
+def policy_config(knobs: dict, **over) -> DualQueueConfig:
+    """The policy of a TUNED-shaped dict of knobs (`over`: more DualQueueConfig fields)."""
+    cfg = DualQueueConfig(starvation_multiple=knobs["starvation_multiple"],
+                          hrrn_service_exponent=knobs["hrrn_service_exponent"],
+                          starvation_lookahead=knobs["starvation_lookahead"], mean_window=knobs["mean_window"], **over)
+    return replace(cfg, load_plan=replace(cfg.load_plan, recompute_gpu_weight=knobs["recompute_gpu_weight"]))
 
 
 def checks(runs: dict[str, SimResult], best: str) -> dict[str, bool]:
@@ -112,6 +118,17 @@ def run_load(reqs, base: SimConfig, load: float, schedulers, tuned_policy: DualQ
     return runs, scale
 
 
+def tune_candidates() -> list[dict]:
+    """Every combination of TUNE_GRID's knobs, without those a scheduler ignores (HRRN's knobs without `+hrrn`)."""
+    out = []
+    for sched in TUNE_GRID["scheduler"]:
+        grid = dict(TUNE_GRID, scheduler=(sched,))
+        if "hrrn" not in sched:
+            grid.update(hrrn_service_exponent=(1.0,), starvation_lookahead=(False,))
+        out.extend(dict(zip(grid, values)) for values in itertools.product(*grid.values()))
+    return out
+
+
 def tune(reqs, base: SimConfig, loads: list[float]) -> dict:
     """Grid over TUNE_GRID on the tuning half: the configuration with the lowest worst-load mean-queue ratio among
     those meeting every other target at every load."""
@@ -122,26 +139,23 @@ def tune(reqs, base: SimConfig, loads: list[float]) -> dict:
         fair = {b: simulate(reqs, replace(base, scheduler=b, time_scale=scale)) for b in BASELINES}
         per_load.append((load, scale, fair))
     results = []
-    for sched in TUNE_GRID["scheduler"]:
-        for mult in TUNE_GRID["starvation_multiple"]:
-            for w, beta in [(w, b) for w in TUNE_GRID["recompute_gpu_weight"]
-                            for b in (TUNE_GRID["hrrn_service_exponent"] if "hrrn" in sched else (1.0,))]:
-                pol = policy_config(mult, w, beta)
-                worst, ok = 0.0, True
-                row = []
-                for load, scale, fair in per_load:
-                    r = simulate(reqs, replace(base, scheduler=sched, time_scale=scale, policy=pol))
-                    c = checks({**fair, sched: r}, sched)
-                    q = r.mean_queue_s / min(fair[b].mean_queue_s for b in FAIR_BASELINES)
-                    t = r.p99_ttft_s / min(fair[b].p99_ttft_s for b in FAIR_BASELINES)
-                    worst = max(worst, q)
-                    ok &= all(v for k, v in c.items() if "mean queue" not in k)
-                    row.append(f"load {load}: queue {q:.3f}x P99 TTFT {t:.3f}x max queue {r.max_queue_s:.1f} s")
-                results.append((not ok, worst, sched, mult, w, beta))
-                print(f"  {sched:<18} starvation_multiple {mult:<4} recompute_gpu_weight {w:<7} exponent {beta:<4} "
-                      f"{'ok ' if ok else 'bad'} | " + " | ".join(row), flush=True)
-    bad, worst, sched, mult, w, beta = min(results)
-    best = {"scheduler": sched, "starvation_multiple": mult, "recompute_gpu_weight": w, "hrrn_service_exponent": beta}
+    for knobs in tune_candidates():
+        sched = knobs["scheduler"]
+        pol = policy_config(knobs)
+        worst, ok = 0.0, True
+        row = []
+        for load, scale, fair in per_load:
+            r = simulate(reqs, replace(base, scheduler=sched, time_scale=scale, policy=pol))
+            c = checks({**fair, sched: r}, sched)
+            q = r.mean_queue_s / min(fair[b].mean_queue_s for b in FAIR_BASELINES)
+            t = r.p99_ttft_s / min(fair[b].p99_ttft_s for b in FAIR_BASELINES)
+            worst = max(worst, q)
+            ok &= all(v for k, v in c.items() if "mean queue" not in k)
+            row.append(f"load {load}: queue {q:.3f}x P99 TTFT {t:.3f}x max queue {r.max_queue_s:.1f} s")
+        results.append((not ok, worst, len(results), knobs))
+        print(f"  {' '.join(f'{k} {v}' for k, v in knobs.items())} {'ok ' if ok else 'bad'} | " + " | ".join(row),
+              flush=True)
+    bad, worst, _, best = min(results)
     print(f"  tuned: {best} (worst-load mean queue {worst:.3f}x{'' if not bad else ', misses another target'})")
     return best
 
@@ -310,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if not held:
         raise SystemExit(f"{args.trace}: no requests at or after {SPLIT_S:.0f} s (need the 30-minute trace)")
     best = tuned["scheduler"]
-    pol = policy_config(tuned["starvation_multiple"], tuned["recompute_gpu_weight"], tuned["hrrn_service_exponent"])
+    pol = policy_config(tuned)
     print(f"\n== held out: the second 15 minutes of {args.trace} ({len(held)} requests, timestamp >= "
           f"{SPLIT_S * 1000:.0f} ms; cold tiers). Knobs tuned on the first 15 minutes{' (this run)' if args.tune else ''}"
           f": {tuned}")
@@ -359,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         "dual-queue": time_steps(lambda: DualQueuePolicy(DualQueueConfig(gpu_capacity=400_000)), args.waiting),
         "dual-queue+hrrn": time_steps(lambda: DualQueuePolicy(DualQueueConfig(gpu_capacity=400_000,
                                                                               ready_order="hrrn")), args.waiting),
+        f"{best} tuned": time_steps(lambda: DualQueuePolicy(policy_config(tuned, gpu_capacity=400_000,
+                                                                        ready_order="hrrn" if "+hrrn" in best else "arrival")),
+                                      args.waiting),
         "fcfs": time_steps(lambda: FCFSPolicy(), args.waiting),
     }
     for name, o in over.items():
@@ -366,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
               f"pick+dispatch+derive/plan+add+prefetch: {o['step_ms_median']:.3f} ms CPU "
               f"({o['step_wall_ms_median']:.3f} wall)   hook step (update every hint + order): "
               f"{o['hook_step_ms_median']:.3f} ms CPU   (queue {o['waiting']})")
-    for name in ("dual-queue", "dual-queue+hrrn"):
+    for name in ("dual-queue", "dual-queue+hrrn", f"{best} tuned"):
         worst = max(over[name]["order_ms_median"], over[name]["step_ms_median"], over[name]["hook_step_ms_median"])
         passed = worst <= TARGET_STEP_MS
         print(f"  [{'PASS' if passed else 'FAIL'}] {name} step <= {TARGET_STEP_MS} ms of CPU (worst path "
