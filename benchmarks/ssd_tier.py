@@ -2,7 +2,14 @@
 
 The plugin's writes are durable and checksummed (CRC-32 per segment, fdatasync, fsync'd journal); its reads verify
 every byte. Raw reads and writes run in 4 MiB and in 32 MiB requests (a chunk's size: what the plugin and
-LocalDiskBackend issue), so "best raw read" is the disk's best with either.
+LocalDiskBackend issue), from and into a batch's worth of distinct memory as an engine does (see `RawFile`), so
+"best raw read" is the disk's best with either.
+
+Destinations are alike for every reader: each engine's host pool (LMCache zero-fills it when the engine is built)
+and the raw readers' memory are in transparent huge pages (`--no-thp` leaves them in 4 KiB pages), and each repeat
+builds the engines in another order (`--build-order`). Without that, where a reader's destination landed in
+physical memory decided its speed on a VM (`benchmarks/dest_layout_probe.py`: up to 1.6x between buffers
+allocated alike), and the engine built first, always the plugin's, read into the most scattered pages.
 
 All in one run on the same disk: durable writes (O_DIRECT or fsync'd), cold reads (page cache dropped before every
 timed read; needs root). The work is cut into batches of one LMCache request (8 chunks, 256 MiB); every method
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -35,10 +43,22 @@ from tqdm import tqdm
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+# Every reader's destination in huge pages (see `host_buffer`): torch's CPU allocator then backs LMCache's host
+# pools with transparent huge pages (read when torch allocates; the repeats' child processes inherit it).
+if "--no-thp" in sys.argv:
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
+else:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 
-from kvtier.storage_backends.posix_io import aligned_buffer, open_file, pread_full, pwrite_full  # noqa: E402
+from kvtier.storage_backends.posix_io import (  # noqa: E402
+    address_of,
+    aligned_buffer,
+    open_file,
+    pread_full,
+    pwrite_full,
+)
 from kvtier.tools.engine_factory import (  # noqa: E402
     ModelShape,
     build_engine,
@@ -60,21 +80,55 @@ def drop_caches() -> bool:
         return False
 
 
+def host_buffer(nbytes: int) -> memoryview:
+    """A page-aligned buffer for the raw readers and writers, in transparent huge pages unless --no-thp.
+
+    Why it matters on a VM: an O_DIRECT read is cut into requests of at most `max_segments` physically contiguous
+    runs (254 on virtio-blk), so a destination of scattered 4 KiB pages takes ~1 MiB requests where one of 2 MiB
+    pages takes 4 MiB ones (`benchmarks/dest_layout_probe.py`: the same reads 1.2-1.35x faster into buffers that
+    happen to be contiguous). Every engine's host pool (LMCache zero-fills it when the engine is built) and every
+    raw buffer is therefore huge-page backed, so no reader wins or loses by where its destination landed."""
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":
+        return aligned_buffer(nbytes)
+    huge = 2 << 20
+    m = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    view = memoryview(m)
+    start = -address_of(view) % huge
+    out = view[start:start + nbytes]
+    out[:] = bytes(nbytes)  # fault it in now, not during a timed request
+    return out
+
+
+def anon_huge_mib() -> float:
+    """This process's memory in transparent huge pages (0 where THP is off, e.g. `never` in
+    /sys/kernel/mm/transparent_hugepage/enabled: then every destination is in 4 KiB pages after all)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")) / 1024
+    except OSError:
+        return 0.0
+
+
 # ------------------------------------------------------------------------------------------------ methods
 class RawFile:
-    """Raw pwrite/pread of the same bytes in 4 MiB requests over `streams` threads (the disk's own limits)."""
+    """Raw pwrite/pread of a batch's bytes in `block` requests over `streams` threads (the disk's own limits).
 
-    def __init__(self, path: str, block: int = 4 << 20) -> None:
-        self.path, self.block = path, block
-        self.buf = aligned_buffer(block)
-        self.buf[:] = os.urandom(block)
-        self.bufs = [aligned_buffer(block) for _ in range(8)]
+    A batch is written from, and read into, batch-sized memory (`src`, `dst`: one distinct region per request), as
+    an engine moves a request's chunks from and into distinct host buffers: a reader that reuses one small buffer
+    for every request measured 3.2 GB/s here where any reader into a batch's worth of distinct memory tops out
+    at 2.4-2.5 GB/s (the VM's device copies through the host, and a small destination stays in its caches), so
+    it would be no ceiling for an engine."""
+
+    def __init__(self, path: str, src: memoryview, dst: memoryview, block: int = 4 << 20) -> None:
+        self.path, self.block, self.src, self.dst = path, block, src, dst
 
     def write(self, lo: int, hi: int, streams: int, direct: bool) -> None:
         fd = open_file(self.path, o_direct=direct)
         try:
             with ThreadPoolExecutor(streams) as ex:
-                list(ex.map(lambda off: pwrite_full(fd, self.buf, off), range(lo, hi, self.block)))
+                list(ex.map(lambda off: pwrite_full(fd, self.src[off - lo:off - lo + self.block], off),
+                            range(lo, hi, self.block)))
             os.fdatasync(fd)  # durable: counted when the data is on disk
         finally:
             os.close(fd)
@@ -84,8 +138,8 @@ class RawFile:
         offsets = list(range(lo, hi, self.block))
         try:
             with ThreadPoolExecutor(streams) as ex:
-                list(ex.map(lambda i: [pread_full(fd, self.bufs[i], off) for off in offsets[i::streams]],
-                            range(streams)))
+                list(ex.map(lambda i: [pread_full(fd, self.dst[off - lo:off - lo + self.block], off)
+                                       for off in offsets[i::streams]], range(streams)))
         finally:
             os.close(fd)
 
@@ -222,14 +276,20 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
             engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-b-{r}")
             + f"  kvtier.read_piece_mb: {args.ab_read_piece_mib}\n", wait_kvtier, kvtier_backend)
     methods: dict[str, EngineMethod] = {}
-    raw = RawFile(os.path.join(tmp, f"raw-{r}.dat"))
-    raw_b = RawFile(os.path.join(tmp, f"rawb-{r}.dat"))
-    raw_big = RawFile(os.path.join(tmp, f"rawbig-{r}.dat"), block=32 << 20)  # the plugin's request size
+    src, dst = host_buffer(batch_bytes), host_buffer(batch_bytes)
+    src[:] = os.urandom(batch_bytes)
+    raw = RawFile(os.path.join(tmp, f"raw-{r}.dat"), src, dst)
+    raw_b = RawFile(os.path.join(tmp, f"rawb-{r}.dat"), src, dst)
+    raw_big = RawFile(os.path.join(tmp, f"rawbig-{r}.dat"), src, dst, block=32 << 20)  # the plugin's request size
     try:
-        for name, (body, wait, backend_of) in engines.items():
+        for name in build_order(list(engines), r, args):
+            body, wait, backend_of = engines[name]
             methods[name] = EngineMethod(engine_yaml(tmp, f"{name}-{r}".replace(" ", "_"), chunk, host_gb, body),
                                          shape, chunk, wait, backend_of)
+        methods = {name: methods[name] for name in engines}  # reports keep the listed order
 
+        tqdm.write(f"  huge pages in this process after building the engines: {anon_huge_mib():.0f} MiB "
+                   f"(THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')})")
         if PREPARED in methods:
             t0 = time.perf_counter()
             assert kvtier_backend(methods[PREPARED].engine).tier.wait_prepared(1800), "slot files not prepared"
@@ -284,6 +344,23 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
                 shutil.rmtree(os.path.join(tmp, d), ignore_errors=True)
 
 
+def build_order(names: list[str], r: int, args) -> list[str]:
+    """The order in which repeat `r` builds its engines. LMCache zero-fills each engine's host pool when it is built,
+    so that order decides which engine's reads land in which physical pages: on a VM, a destination of scattered
+    pages takes more requests for the same O_DIRECT read than one of contiguous runs (virtio's 254 segments per
+    request), and the first pool a process touches is the most scattered. `rotate` (default) starts each repeat
+    at another engine, by len/repeats, so every engine's build positions average alike over the run."""
+    if args.build_order == "listed":
+        order = names
+    elif args.build_order == "reversed":
+        order = names[::-1]
+    else:
+        k = (r * len(names)) // max(1, args.repeats) % len(names)
+        order = names[k:] + names[:k]
+    tqdm.write(f"  repeat {r + 1}: engines built in the order " + ", ".join(order))
+    return order
+
+
 def best_of(rows: dict[str, list[float]], names: list[str]) -> list[float]:
     """Per batch, the fastest of these methods."""
     return [max(row) for row in zip(*(rows[k] for k in names))]
@@ -327,6 +404,11 @@ def main() -> int:
     ap.add_argument("--prepared", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the plugin with kvtier.prepare_slots (its slot files zeroed before the timed "
                          "batches, untimed); --no-prepared leaves it out")
+    ap.add_argument("--no-thp", action="store_true",
+                    help="leave destinations in ordinary 4 KiB pages (engines' host pools and raw buffers; see "
+                         "host_buffer): each reader then reads as fast as its pages happen to be contiguous")
+    ap.add_argument("--build-order", choices=("rotate", "listed", "reversed"), default="rotate",
+                    help="order of building the engines in each repeat (see build_order; default rotate)")
     ap.add_argument("--one-repeat", type=int, default=None, help=argparse.SUPPRESS)  # child process of a repeat
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--kvtier", action="append", default=[], metavar="KEY=VALUE",

@@ -89,9 +89,10 @@ KEYS: tuple[KeySpec, ...] = (
             "the I/O threads (a 256-token Llama-3-8B chunk, 32 MiB, is one request: with several chunks in flight "
             "that kept the disk busier than 4 MiB pieces of one chunk did).", minimum=1),
     KeySpec("read_piece_mb", "int", "Reads cut each block into requests of at most this size, all in flight at "
-            "once and each checksummed as it lands (so the CRCs trail the last byte by one piece). Which size the "
-            "disk prefers varies: 8 MiB read 1.17x one request per 32 MiB block on one VM, 0.88-0.93x on another "
-            "(`benchmarks/ssd_tier.py --ab-read-piece-mib`); measure yours. Capped at io_block_mb.", minimum=1),
+            "once and each checksummed as it lands (so the CRCs trail the last byte by one piece). With equal "
+            "destinations 8 and 32 MiB pieces read alike on this project's VMs (1.00x; earlier A/Bs that differed "
+            "compared engines whose host pools lay differently in memory); measure yours with "
+            "`benchmarks/ssd_tier.py --ab-read-piece-mib N`. Capped at io_block_mb.", minimum=1),
     KeySpec("max_inflight_write_mb", "int", "Host memory that queued SSD writes may hold (in the LMCache plugin "
             "at most half of max_local_cpu_size, so LMCache never runs out of room for a store); stores beyond it "
             "wait (back-pressure) before being dropped and counted.", minimum=1),
