@@ -17,7 +17,6 @@ Reported: GB/s per set (median over rounds, each round in a shuffled order), and
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import random
 import shutil
@@ -28,32 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvtier.tools.host_memory import anon_huge_mib, drop_page_cache, huge_page_buffer
+
 MIB = 1 << 20
 CHUNK = 32 * MIB
-HUGE = 2 * MIB
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
-def buffer(nbytes: int, huge: bool) -> memoryview:
-    """A 2 MiB-aligned buffer, faulted in now; private anonymous memory (huge pages if `huge`)."""
-    m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    view = memoryview(m)
-    start = -np.frombuffer(m, dtype=np.uint8).ctypes.data % HUGE
-    out = view[start:start + nbytes]
-    np.frombuffer(out, dtype=np.uint8)[:] = 0
-    return out
-
-
-def anon_huge_mib() -> float:
-    with open("/proc/self/smaps_rollup") as f:
-        return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")) / 1024
 
 
 def queue_limits(path: str) -> str:
@@ -103,7 +80,7 @@ def main() -> int:
     root = os.path.join(args.dir, f"dest-layout-{os.getpid()}")
     os.makedirs(root)
     try:
-        src = buffer(CHUNK, False)
+        src = huge_page_buffer(CHUNK, huge=False)
         np.frombuffer(src, dtype=np.uint8)[:] = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8)
         paths = []
         for i in range(args.chunks):
@@ -116,7 +93,7 @@ def main() -> int:
             paths.append(p)
         os.sync()
         names = [n.strip() for n in args.sets.split(",") if n.strip()]
-        sets = {n: [buffer(CHUNK, n.startswith("huge")) for _ in range(4)] for n in names}  # allocated in order
+        sets = {n: [huge_page_buffer(CHUNK, huge=n.startswith("huge")) for _ in range(4)] for n in names}  # allocated in order
         print(f"{args.chunks} files of 32 MiB, read cold by 4 threads x one 32 MiB read; {queue_limits(root)}; "
               f"{anon_huge_mib():.0f} MiB of this process in huge pages")
         res: dict[str, list[float]] = {n: [] for n in names}
@@ -124,7 +101,7 @@ def main() -> int:
             order = names[:]
             random.Random(r).shuffle(order)
             for n in order:
-                drop_caches()
+                drop_page_cache()
                 res[n].append(read_all(paths, sets[n]))
         first = statistics.median(res[names[0]])
         for n in names:

@@ -44,21 +44,13 @@ os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from kvtier.tools.host_memory import drop_page_cache  # noqa: E402
+
 CHUNK_SHAPE = torch.Size([2, 32, 256, 1024])  # Llama-3-8B, 256 tokens: K/V x layers x tokens x kv heads*dim
 CHUNK_BYTES = CHUNK_SHAPE.numel() * 2  # bf16: 32 MiB
 PER_BATCH = 8
 KVTIER = "kvtier"
 PREPARED = "kvtier prepared"
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def fs_type(path: str) -> str:
@@ -205,7 +197,7 @@ def one_repeat(r: int, root: str, n_batches: int, rows: dict[str, list[float]], 
                 for name in batch_order:
                     m = methods[name]
                     if phase == "load":
-                        drop_caches()
+                        drop_page_cache()
                         for o in dst:
                             o.raw_data.zero_()
                     t0 = time.perf_counter()
@@ -247,7 +239,7 @@ def main() -> int:
     if kind in ("tmpfs", "ramfs", "overlay"):
         print(f"--dir {args.dir} is on {kind}, not a disk: choose a directory on the SSD", file=sys.stderr)
         return 2
-    if not drop_caches():
+    if not drop_page_cache():
         print("note: cannot drop the page cache (not root): loads are NOT cold", file=sys.stderr)
     from lmcache.v1.distributed.config import L1MemoryManagerConfig
     from lmcache.v1.distributed.memory_manager.l1_memory_manager import L1MemoryManager

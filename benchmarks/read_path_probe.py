@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import random
 import shutil
@@ -29,24 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvtier.tools.host_memory import drop_page_cache, huge_page_buffer
+
 MIB = 1 << 20
 CHUNK = 32 * MIB
 BATCH = 8
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
-def huge_buffer(nbytes: int) -> memoryview:
-    m = mmap.mmap(-1, nbytes + 2 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
-    start = -np.frombuffer(m, dtype=np.uint8).ctypes.data % (2 * MIB)
-    out = memoryview(m)[start:start + nbytes]
-    np.frombuffer(out, dtype=np.uint8)[:] = 0
-    return out
 
 
 def child(args) -> int:
@@ -65,13 +51,13 @@ def child(args) -> int:
         k, _, v = kv.partition("=")
         extra[f"kvtier.{k}"] = int(v) if v.isdigit() else v
     tier = SSDTier(parse_kvtier_config(extra), CHUNK)
-    src = huge_buffer(CHUNK)
+    src = huge_page_buffer(CHUNK)
     np.frombuffer(src, dtype=np.uint8)[:] = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8)
     meta = ChunkMeta(CHUNK, (CHUNK,), "torch.uint8", "KV_2LTD")
     keys = [f"probe@1@0@{i:064x}@uint8" for i in range(args.chunks)]
     ok = tier.submit_puts([(k, meta, src, lambda stored: None) for k in keys])
     assert all(ok) and tier.flush(600)
-    dests = {k: huge_buffer(CHUNK) for k in keys}
+    dests = {k: huge_page_buffer(CHUNK) for k in keys}
     entries = tier.index.begin_read(keys)
     where = [tier.io.files.locate_path(e.slot) for e in entries]
     tier.index.end_read(keys, entries, [None] * len(keys), [False] * len(keys))
@@ -106,7 +92,7 @@ def child(args) -> int:
         pair = [("tier", tier_read), ("raw", raw_read)]
         random.Random(r).shuffle(pair)
         for name, fn in pair:
-            drop_caches()
+            drop_page_cache()
             res[name].append(fn())
     tier.close()
     print(json.dumps(res))

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import shutil
 import statistics
@@ -52,13 +51,7 @@ else:
 
 import torch  # noqa: E402
 
-from kvtier.storage_backends.posix_io import (  # noqa: E402
-    address_of,
-    aligned_buffer,
-    open_file,
-    pread_full,
-    pwrite_full,
-)
+from kvtier.storage_backends.posix_io import open_file, pread_full, pwrite_full  # noqa: E402
 from kvtier.tools.engine_factory import (  # noqa: E402
     ModelShape,
     build_engine,
@@ -66,48 +59,15 @@ from kvtier.tools.engine_factory import (  # noqa: E402
     kvtier_backend,
     load_lmcache_config,
 )
+from kvtier.tools.host_memory import anon_huge_mib, drop_page_cache, huge_page_buffer  # noqa: E402
 
 LLAMA3_8B = ModelShape("bench/llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def host_buffer(nbytes: int) -> memoryview:
-    """A page-aligned buffer for the raw readers and writers, in transparent huge pages unless --no-thp.
-
-    Why it matters on a VM: an O_DIRECT read is cut into requests of at most `max_segments` physically contiguous
-    runs (254 on virtio-blk), so a destination of scattered 4 KiB pages takes ~1 MiB requests where one of 2 MiB
-    pages takes 4 MiB ones (`benchmarks/dest_layout_probe.py`: the same reads 1.2-1.35x faster into buffers that
-    happen to be contiguous). Every engine's host pool (LMCache zero-fills it when the engine is built) and every
-    raw buffer is therefore huge-page backed, so no reader wins or loses by where its destination landed."""
-    if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":
-        return aligned_buffer(nbytes)
-    huge = 2 << 20
-    m = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
-    view = memoryview(m)
-    start = -address_of(view) % huge
-    out = view[start:start + nbytes]
-    out[:] = bytes(nbytes)  # fault it in now, not during a timed request
-    return out
-
-
-def anon_huge_mib() -> float:
-    """This process's memory in transparent huge pages (0 where THP is off, e.g. `never` in
-    /sys/kernel/mm/transparent_hugepage/enabled: then every destination is in 4 KiB pages after all)."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")) / 1024
-    except OSError:
-        return 0.0
+    """A page-aligned buffer for the raw readers and writers, in transparent huge pages unless --no-thp, like the
+    engines' host pools (see the module docstring and `kvtier.tools.host_memory`)."""
+    return huge_page_buffer(nbytes, huge=os.environ.get("THP_MEM_ALLOC_ENABLE") == "1")
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -327,7 +287,7 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
                     tqdm.write(f"  {phase} order, batch {b}: " + ", ".join(name for name, _ in order))
                 for name, fn in order:
                     if phase == "read":
-                        drop_caches()
+                        drop_page_cache()
                     rec(name, *timed(lambda: fn(b, lo, hi)))
         for name, m in methods.items():
             if m.stored != n_batches * per_req or m.got != m.stored:
@@ -418,7 +378,7 @@ def main() -> int:
         return child_repeat(args)
     os.makedirs(args.dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir)
-    if not drop_caches():
+    if not drop_page_cache():
         print("note: cannot drop the page cache (not root): reads are not cold", file=sys.stderr)
     chunk, per_req, n_batches, _ = geometry(args)
     total = n_batches * per_req * LLAMA3_8B.chunk_bytes(chunk)

@@ -17,7 +17,6 @@ Rounds shuffle the variants; medians are reported, ratios as medians of the same
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import random
 import shutil
@@ -28,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvtier.tools.host_memory import huge_page_buffer
+
 MIB = 1 << 20
 CHUNK = 32 * MIB
 BATCH = 8
@@ -35,14 +36,8 @@ TOTAL = BATCH * CHUNK
 
 
 def source(nbytes: int, kind: str, seed: int) -> memoryview:
-    """Random bytes in shared anonymous memory (`4k`) or private memory in huge pages (`huge`), 2 MiB aligned."""
-    if kind == "huge":
-        m = mmap.mmap(-1, nbytes + 2 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.madvise(mmap.MADV_HUGEPAGE)
-    else:
-        m = mmap.mmap(-1, nbytes + 2 * MIB)
-    start = -np.frombuffer(m, dtype=np.uint8).ctypes.data % (2 * MIB)
-    out = memoryview(m)[start:start + nbytes]
+    """Random bytes in shared anonymous memory in 4 KiB pages (`4k`) or private memory in huge pages (`huge`)."""
+    out = huge_page_buffer(nbytes, huge=kind == "huge", shared=kind == "4k")
     np.frombuffer(out, dtype=np.uint8)[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
     return out
 
