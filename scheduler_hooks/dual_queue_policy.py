@@ -563,7 +563,8 @@ class DualQueuePolicy:
 
     def _lookahead_pick(self, now: float, free: float, count: bool = True) -> str | None:
         """With `starvation_lookahead`: the highest-ratio admissible ready request whose service leaves every older
-        one able to start within the starvation bound, when that bound binds (`RatioIndex.allowed`); else None."""
+        one able to start within the starvation bound, when that bound binds (`RatioIndex.allowed`); else None,
+        also when none of those can run now (deferred, or no room): then HRRN's own choice runs rather than none."""
         if not self.config.starvation_lookahead or self._index is None or len(self._index) < 2:
             return None
         cap = self.config.gpu_capacity
