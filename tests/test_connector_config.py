@@ -288,3 +288,11 @@ def test_check_config_validates_a_vllm_kv_transfer_json(lmcache_yaml, tmp_path):
         assert needle in str(e.value), (needle, str(e.value))
     no_policy = {k: v for k, v in shipped.items() if k != "kv_load_failure_policy"}
     assert "vLLM default: fail" in check(write(no_policy))
+    # the shipped HRRN variant is the same file plus the simulator's best scheduler keys, and passes too
+    hrrn = json.loads((Path(C.__file__).resolve().parent.parent / "configs" / "vllm-kv-transfer-hrrn.json").read_text())
+    scheduler_keys = hrrn["kv_connector_extra_config"].pop("kvtier.scheduler")
+    hrrn["kv_connector_extra_config"]["kvtier.ssd_path"] = str(tmp_path / "ssd")
+    assert hrrn == shipped and scheduler_keys["ready_order"] == "hrrn"
+    hrrn["kv_connector_extra_config"]["kvtier.scheduler"] = scheduler_keys
+    out = check(write(hrrn))
+    assert out.startswith("OK:") and "note" not in out, out

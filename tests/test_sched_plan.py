@@ -322,6 +322,30 @@ def test_starvation_lookahead_serves_old_requests_before_the_bound_is_reached():
         DualQueueConfig.from_keys({"starvation_lookahead": 1})
 
 
+def test_shipped_hrrn_config_holds_the_simulators_tuned_knobs():
+    """`configs/vllm-kv-transfer-hrrn.json` is the configuration `benchmarks/scheduler_sim.py` reports as kvtier's
+    best (its `TUNED`, chosen on the tuning half): the same ready order and knobs, parsed as the connector parses
+    them, so the shipped file and the benchmark's figures cannot drift apart."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("scheduler_sim", repo / "benchmarks" / "scheduler_sim.py")
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    shipped = json.loads((repo / "configs" / "vllm-kv-transfer-hrrn.json").read_text())
+    cfg = DualQueueConfig.from_keys(shipped["kv_connector_extra_config"]["kvtier.scheduler"])
+    tuned = sim.TUNED
+    assert cfg.ready_order == ("hrrn" if "+hrrn" in tuned["scheduler"] else "arrival")
+    assert "+delay-hit" not in tuned["scheduler"] or cfg.delay_hit
+    assert (cfg.starvation_multiple, cfg.hrrn_service_exponent, cfg.starvation_lookahead, cfg.mean_window,
+            cfg.load_plan.recompute_gpu_weight) == (
+        tuned["starvation_multiple"], tuned["hrrn_service_exponent"], tuned["starvation_lookahead"],
+        tuned["mean_window"], tuned["recompute_gpu_weight"])
+    assert cfg == sim.policy_config(tuned, ready_order=cfg.ready_order)  # nothing else differs either
+
+
 # --- the idle-GPU re-plan under load -------------------------------------------------------------------------------
 
 
