@@ -267,6 +267,35 @@ def test_in_flight_chunks_land_when_their_request_saves_them(scheduler):
     assert conn.tier_hint("late").inflight_tokens == 0
 
 
+@pytest.mark.parametrize("shipped", ["vllm-kv-transfer.json", "vllm-kv-transfer-hrrn.json"])
+def test_shipped_scheduler_keys_order_vllms_waiting_queue(request, shipped):
+    """The scheduler keys of each shipped vLLM JSON, in vLLM's real scheduler through the hook: with the plain file
+    (Bidaw's FCFS by arrival) the long prompt that came first takes the step's token budget and the short one gets
+    the rest; with the `-hrrn` file (HRRN with the starvation lookahead) the short one goes first, whole. Every
+    prompt is then computed in full over the next steps (nothing is lost or stalled by the reordering)."""
+    from pathlib import Path
+
+    from kvtier.scheduler_hooks.dual_queue import DualQueueScheduler
+
+    spec = json.loads((Path(__file__).resolve().parent.parent / "configs" / shipped).read_text())
+    keys = spec["kv_connector_extra_config"].get("kvtier.scheduler", {})
+    sched, _ = make_scheduler(request, DualQueueScheduler, SYNC, scheduler_keys=keys)
+    sched.add_request(make_request("long", 5, n=1000))
+    sched.add_request(make_request("short", 6, n=100))
+    out = sched.schedule()
+    if keys.get("ready_order") == "hrrn":
+        assert out.num_scheduled_tokens["short"] == 100 and out.num_scheduled_tokens["long"] == 1024 - 100
+    else:
+        assert out.num_scheduled_tokens["long"] == 1000 and out.num_scheduled_tokens["short"] == 24
+    done = dict(out.num_scheduled_tokens)
+    for _ in range(4):
+        report(sched, out)
+        out = sched.schedule()
+        for rid, n in out.num_scheduled_tokens.items():
+            done[rid] += n if done[rid] < {"long": 1000, "short": 100}[rid] else 0
+    assert done == {"long": 1000, "short": 100}
+
+
 @pytest.mark.parametrize("hook", [False, True])
 def test_dual_queue_hook_defers_a_request_whose_prefix_is_being_computed(request, hook):
     """With kvtier's scheduler hook, `b` (352 of its prompt tokens in flight in `a`) is passed over for `c`
