@@ -268,7 +268,7 @@ def test_in_flight_chunks_land_when_their_request_saves_them(scheduler):
 
 
 @pytest.mark.parametrize("shipped", ["vllm-kv-transfer.json", "vllm-kv-transfer-hrrn.json"])
-def test_shipped_scheduler_keys_order_vllms_waiting_queue(request, shipped):
+def test_dual_queue_hook_orders_by_each_shipped_configs_scheduler_keys(request, shipped):
     """The scheduler keys of each shipped vLLM JSON, in vLLM's real scheduler through the hook: with the plain file
     (Bidaw's FCFS by arrival) the long prompt that came first takes the step's token budget and the short one gets
     the rest; with the `-hrrn` file (HRRN with the starvation lookahead) the short one goes first, whole. Every

@@ -30,7 +30,7 @@ CHECKS: list[tuple[str, str]] = [
     ("layouts", "layout detection and a bit-exact page round trip on the KV tensors vLLM allocates for each "
                 "attention backend, in every layout the backend declares"),
     ("hook", "the scheduler hook on vLLM's `Scheduler`/`AsyncScheduler` (base chosen by async scheduling), "
-             "delay-hit deferral through the real scheduler"),
+             "delay-hit deferral and each shipped vLLM JSON's ready order through the real scheduler"),
     ("plugin", "the LMCache storage plugin in a real `LMCacheEngine`: bit-exact round trip, restart recovery "
                "from a new process, corrupt chunks recomputed"),
     ("ssd", "the SSD tier and its eviction wiring under this torch/LMCache"),
