@@ -54,6 +54,7 @@ GAP_TARGET = {"0.02": 0.30, "0.05": 0.30, "0.1": 0.20}
 ABLATION = [
     ("full", {}),
     ("- reuse predictor", {"use_predictor": False}),
+    ("+ return model (off by default)", {"return_model": True}),
     ("- answer length (bound, timing)", {"use_answer_length": False}),
     ("- answer-length timing rows", {"answer_timing": False}),
     ("- pace timing rows", {"gap_timing": False}),

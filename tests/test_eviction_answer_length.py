@@ -316,6 +316,7 @@ def test_memory_of_learning_state_is_bounded():
     cfg = AnswerLengthConfig(
         max_sessions=50, ghost_window=256, ghost_refresh=64, max_items=100, max_ghost_keys=100,
         shadow_sample_rate=4, shadow_window=256, ghost_sample_rate=1, predictor_window=300, predictor_refit=64,
+        return_model=True, return_window=40, return_refit=16,
     )
     clock = ReplayClock()
     p = AnswerLengthPolicy(clock=clock, config=cfg)
@@ -339,11 +340,13 @@ def test_memory_of_learning_state_is_bounded():
         m = p.memory_items()
         assert m["ghost_trace"] <= 256 and m["reuse_items"] <= 100 and m["ghost_keys"] <= 100
         assert m["predictor_samples"] <= 300
+        assert m["return_rows"] <= 40 and m["return_pending"] <= p.returns.max_pending
         assert m["heap"] <= 4 * m["units"] + 4096
         assert m["sessions"] <= 50 + 64  # sessions holding resident chunks are never forgotten
         assert m["ctx"] == 0  # no request in flight between requests
         assert len(p) == used <= 64
     assert p.predictor.samples_seen > 300 and p.predictor.fits > 0  # it did learn, within its window
+    assert p.returns.labels > 40 and p.returns.fits > 0
 
 
 def test_collected_victims_and_reinsertion():

@@ -27,7 +27,7 @@ class Session:
 
     __slots__ = (
         "sid", "depth", "chain_len", "first_key", "tail_keys", "last_time", "answer_tokens", "keys", "new_blocks",
-        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch", "prot",
+        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch", "prot", "odds", "wait",
         "__weakref__",
     )
 
@@ -55,6 +55,8 @@ class Session:
         self.until = 0.0
         self.epoch = -1
         self.prot = False  #: in the policy's first-turn probation (protected from eviction for a while)
+        self.odds: float | None = None  #: odds ratio on its next-turn hit chance (the return model, or a hook)
+        self.wait = None  #: the return model's handle of its current wait for the next turn
 
     def __repr__(self) -> str:
         return f"Session(sid={self.sid}, depth={self.depth}, keys={len(self.keys)}, answer={self.answer_tokens})"
