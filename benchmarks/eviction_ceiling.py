@@ -4,8 +4,9 @@
 
 The answer-length policy misses its held-out target at 2% of unique blocks by a few points of the LRU->Belady
 gap. This bounds what the "whether" side could still add, from three angles, all on the first 15 minutes of the
-conversation trace (hits counted from t >= 450 s, at the held-out sizes in blocks, as `ghost_spread.py`); it never
-replays or reads the held-out second half.
+conversation trace (hits counted from t >= 450 s, at the held-out sizes in blocks, as `ghost_spread.py`). Of the
+held-out second half it uses only its count of unique blocks (to size the tier); it never replays it, and every
+label (when a turn's next turn came) comes from the tuning half alone.
 
 1. Signal: for first turns and for follow-up turns, the AUC of each feature the trace carries for "the next turn
    comes within 60 / 120 / 300 s" (0.5: no signal; below 0.5: a larger value means less likely), and a logistic
