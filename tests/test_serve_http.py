@@ -2,14 +2,17 @@
 
 Two servers of the demo model (random tiny Llama + the shipped tokenizer and chat template), started once for
 the module and at the same time: one plain, one with kvtier's connector and `--scheduler-cls
-kvtier.scheduler_hooks.DualQueueScheduler`, a small vLLM KV cache and a small host tier, so a conversation's
+kvtier.scheduler_hooks.DualQueueScheduler` from the shipped `configs/vllm-kv-transfer-hrrn.json` (the plain JSON plus
+the simulator's tuned scheduler keys: HRRN with the starvation lookahead), a small vLLM KV cache and a small host
+tier, so a conversation's
 history comes back from kvtier's host and SSD tiers at its next turn. Six chats x three turns go to both
 over the OpenAI chat API, one request at a time, round robin. The tests check:
 
 - the assistant text (greedy) of every turn is identical on both servers;
 - `/metrics` of the kvtier server: kvtier's hits per tier equal vLLM's own `vllm:prompt_tokens_cached_by_source`
   (host, disk and device), both tiers served something, and the worker's `kvtier_ssd_*` series are there;
-- the log shows kvtier's start-up lines (versions, SSD tier, worker, scheduler hook), and not many;
+- the log shows kvtier's start-up lines (versions, SSD tier, worker, scheduler hook with the JSON's tuned keys), and
+  not many;
 - SIGINT stops the server: exit status 0, no process left, the worker closed kvtier (queued SSD writes
   committed), and a new SSD tier over the directory finds exactly the chunks the worker reported.
 """
@@ -67,7 +70,7 @@ def served(tmp_path_factory):
         "max_local_cpu_size: 5 ", f"max_local_cpu_size: {HOST_MB / 1024} ").replace(
         "/var/cache/kvtier", str(ssd)).replace("kvtier.ssd_capacity_gb: 100", f"kvtier.ssd_capacity_gb: {SSD_MB / 1024}")
     yaml.write_text(text)
-    kv = json.loads((REPO / "configs" / "vllm-kv-transfer.json").read_text())
+    kv = json.loads((REPO / "configs" / "vllm-kv-transfer-hrrn.json").read_text())
     kv["kv_connector_extra_config"]["config_file"] = str(yaml)
     servers: dict[str, ServeProcess] = {}
     try:
@@ -137,6 +140,10 @@ def test_kvtier_startup_lines_in_the_log(served):
     assert re.search(rf"kvtier connector \(SCHEDULER role\) on vLLM 0\.3\d\.\d, LMCache {lmcache}", log), log[-3000:]
     assert re.search(r"SSD tier at .*ssd/worker0-of-1: \d+ committed chunks found", log)
     assert "kvtier connector worker rank 0: 4 layers" in log and "kvtier: dual-queue scheduling on" in log
+    hook = next(line for line in log.splitlines() if "kvtier: dual-queue scheduling on" in line)
+    for key in ("ready_order='hrrn'", "starvation_lookahead=True", "mean_window=1024", "starvation_multiple=8",
+                "hrrn_service_exponent=1.5"):  # the shipped JSON's scheduler keys reached vLLM's scheduler
+        assert key in hook, hook
     ours = [line for line in log.splitlines() if KVTIER_LINE.search(line)]
     assert len(ours) <= 7, "\n".join(ours)
 
