@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvtier.storage_backends.eviction.answer_length import AnswerLengthPolicy
+from kvtier.storage_backends.eviction.return_model import fit_logistic
 from kvtier.tools.replay import ReplayClock, build_policy, host_key_sequence, parse_capacity, simulate
 from kvtier.tools.traces import TraceRequest, read_trace, unique_blocks
 
@@ -100,25 +101,20 @@ def auc(scores: Sequence[float], labels: Sequence[bool]) -> float:
 
 
 class Logistic:
-    """L2-regularised logistic regression on log1p features (Newton steps), standardised on its training set."""
+    """The return model's logistic regression (`return_model.fit_logistic`) on log1p features."""
 
     def __init__(self, rows: Sequence[Sequence[float]], labels: Sequence[bool], l2: float = 1.0) -> None:
-        x = np.log1p(np.maximum(np.asarray(rows, dtype=float), 0.0))
-        self.mu, self.sd = x.mean(axis=0), x.std(axis=0) + 1e-9
-        z = np.c_[np.ones(len(x)), (x - self.mu) / self.sd]
-        y = np.asarray(labels, dtype=float)
-        w = np.zeros(z.shape[1])
-        reg = l2 * np.eye(len(w))
-        reg[0, 0] = 0.0
-        for _ in range(30):
-            p = 1.0 / (1.0 + np.exp(-z @ w))
-            w -= np.linalg.solve((z.T * (p * (1 - p))) @ z + reg, z.T @ (p - y) + reg @ w)
-        self.w = w
-        self.base = float(y.mean())
+        fit = fit_logistic(self._x(rows), np.asarray(labels, dtype=float), l2)
+        if fit is None:
+            raise ValueError("logistic: the labels do not have both classes, or the fit failed")
+        self.intercept, self.coef, self.base = fit
+
+    @staticmethod
+    def _x(rows: Sequence[Sequence[float]]) -> np.ndarray:
+        return np.log1p(np.maximum(np.asarray(rows, dtype=float), 0.0))
 
     def prob(self, rows: Sequence[Sequence[float]]) -> np.ndarray:
-        x = np.log1p(np.maximum(np.asarray(rows, dtype=float), 0.0))
-        return 1.0 / (1.0 + np.exp(-(np.c_[np.ones(len(x)), (x - self.mu) / self.sd] @ self.w)))
+        return 1.0 / (1.0 + np.exp(-(self.intercept + self._x(rows) @ self.coef)))
 
     def odds_ratio(self, row: Sequence[float]) -> float:
         p = float(self.prob([row])[0])

@@ -268,6 +268,11 @@ def _log_loss(z: float, label: bool) -> float:
     return z + math.log1p(math.exp(-z)) if z > 0 else math.log1p(math.exp(z))
 
 
+def _with_odds(p: float, r: float) -> float:
+    """Probability p with its odds scaled by r (r = 0: never)."""
+    return r * p / (1.0 - p + r * p) if r > 0.0 else 0.0
+
+
 def _logit(p: float) -> float:
     p = min(max(p, 1e-6), 1.0 - 1e-6)
     return math.log(p / (1.0 - p))
@@ -591,11 +596,9 @@ class AnswerLengthPolicy(EvictionPolicy):
             if occ is not None:
                 o = occ.item(cls, e)
         if self._gate_open and H > 0.0 and u.x is not None:
-            r = self._odds(u.x)
-            H = r * H / (1.0 - H + r * H)
+            H = _with_odds(H, self._odds(u.x))
         if u.__class__ is Session and u.odds is not None and H > 0.0:  # the return model's (or the hook's) odds
-            r = u.odds
-            H = r * H / (1.0 - H + r * H) if r > 0.0 else 0.0
+            H = _with_odds(H, u.odds)
         if occ is not None:
             score = H / o if o > 0.0 else 0.0
         else:

@@ -32,9 +32,6 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-N_FEATURES = 5  #: answer tokens, seconds since the previous turn, depth, chunks the turn added, chunks in the chain
-
-
 @dataclass
 class Wait:
     """One session's wait for its next turn, from the finish of a follow-up turn."""
@@ -43,6 +40,40 @@ class Wait:
     x: tuple[float, ...]
     back: float | None = None  #: when the next turn came (None: not yet)
     done: bool = False  #: labelled or cancelled
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0) -> tuple[float, np.ndarray, float] | None:
+    """L2-penalised logistic regression of labels y in [0, 1] (soft labels allowed) on the rows of x, fitted by
+    damped Newton steps on standardised features: (intercept, weight per raw feature, mean label), so that the
+    log-odds of a row v is intercept + v @ weights. None when there is nothing to tell apart (every label the same)
+    or the fit fails."""
+    base = float(y.mean()) if len(y) else 0.0
+    if base <= 0.0 or base >= 1.0:
+        return None
+    mu, sd = x.mean(axis=0), x.std(axis=0)
+    sd = np.where(sd > 1e-6, sd, 1.0)  # a constant feature standardises to 0 (its weight stays at 0)
+    z = np.c_[np.ones(len(x)), (x - mu) / sd]
+    reg = l2 * np.eye(z.shape[1])
+    reg[0, 0] = 1e-6  # keeps the Hessian invertible when every prediction saturates
+    w = np.zeros(z.shape[1])
+    w[0] = math.log(base / (1.0 - base))
+    try:
+        for _ in range(12):
+            p = 1.0 / (1.0 + np.exp(-np.clip(z @ w, -30.0, 30.0)))
+            step = np.linalg.solve((z.T * (p * (1.0 - p))) @ z + reg, z.T @ (p - y) + reg @ w)
+            big = float(np.abs(step).max())
+            if big > 4.0:  # damped: a separable window must not throw the weights far in one step
+                step *= 4.0 / big
+            w -= step
+            if big < 1e-6:
+                break
+    except np.linalg.LinAlgError:
+        w = np.full(z.shape[1], np.nan)
+    if not np.all(np.isfinite(w)):
+        logger.warning("logistic refit on %d labels failed; no correction until the next refit", len(y))
+        return None
+    coef = w[1:] / sd
+    return float(w[0] - coef @ mu), coef, base
 
 
 class ReturnModel:
@@ -62,16 +93,15 @@ class ReturnModel:
         self._rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=int(window))
         self._pending: deque[Wait] = deque()
         self._since_fit = 0
-        self._w: np.ndarray | None = None  #: weights over [1, standardised features]
-        self._mu = np.zeros(N_FEATURES)
-        self._sd = np.ones(N_FEATURES)
-        self._base_logit = 0.0
+        self._coef: tuple[float, ...] | None = None  #: the fit's weight per feature (None: no correction)
+        self._const = 0.0  #: the fit's intercept minus the window's base log-odds
         self.labels = 0
         self.fits = 0
 
     @staticmethod
     def features(answer_tokens: int, prev_gap_s: float, depth: int, new_chunks: int, chain_chunks: int
                  ) -> tuple[float, ...]:
+        """A wait's features: log(1 + x) of each value."""
         return (math.log1p(max(0, answer_tokens)), math.log1p(max(0.0, prev_gap_s)), math.log1p(max(0, depth)),
                 math.log1p(max(0, new_chunks)), math.log1p(max(0, chain_chunks)))
 
@@ -125,46 +155,22 @@ class ReturnModel:
         self._since_fit = 0
         x = np.array([r[0] for r in self._rows], dtype=float)
         y = np.array([r[1] for r in self._rows], dtype=float)
-        base = float(y.mean())
-        if base <= 0.0 or base >= 1.0:  # one class only: nothing to tell apart
-            self._w = None
+        fit = fit_logistic(x, y, self.l2)
+        if fit is None:
+            self._coef = None
             return
-        mu, sd = x.mean(axis=0), x.std(axis=0)
-        sd = np.where(sd > 1e-6, sd, 1.0)  # a constant feature standardises to 0 (its weight stays at 0)
-        z = np.c_[np.ones(len(x)), (x - mu) / sd]
-        reg = self.l2 * np.eye(z.shape[1])
-        reg[0, 0] = 1e-6  # keeps the Hessian invertible when every prediction saturates
-        w = np.zeros(z.shape[1])
-        w[0] = math.log(base / (1.0 - base))
-        try:
-            for _ in range(12):
-                p = 1.0 / (1.0 + np.exp(-np.clip(z @ w, -30.0, 30.0)))
-                step = np.linalg.solve((z.T * (p * (1.0 - p))) @ z + reg, z.T @ (p - y) + reg @ w)
-                big = float(np.abs(step).max())
-                if big > 4.0:  # damped: a separable window must not throw the weights far in one step
-                    step *= 4.0 / big
-                w -= step
-                if big < 1e-6:
-                    break
-        except np.linalg.LinAlgError:
-            w = np.full(z.shape[1], np.nan)
-        if not np.all(np.isfinite(w)):
-            logger.warning("return model: refit on %d labels failed; no correction until the next refit",
-                           len(y))
-            self._w = None
-            return
-        self._w, self._mu, self._sd = w, mu, sd
-        self._base_logit = math.log(base / (1.0 - base))
+        intercept, coef, base = fit
+        self._coef = tuple(float(c) for c in coef)
+        self._const = intercept - math.log(base / (1.0 - base))
         self.fits += 1
 
     def odds_ratio(self, x: tuple[float, ...]) -> float | None:
         """The model's odds for a wait with features x over the window's base odds (None before the first fit)."""
-        w = self._w
-        if w is None:
+        coef = self._coef
+        if coef is None:
             return None
-        z = float(w[0]) + sum(float(w[i + 1]) * (x[i] - float(self._mu[i])) / float(self._sd[i])
-                              for i in range(N_FEATURES))
-        r = math.exp(max(-50.0, min(50.0, z - self._base_logit)))
+        z = self._const + sum(c * v for c, v in zip(coef, x))
+        r = math.exp(max(-50.0, min(50.0, z)))
         return min(self.max_ratio, max(1.0 / self.max_ratio, r))
 
     def memory_items(self) -> dict[str, int]:

@@ -27,8 +27,8 @@ class Session:
 
     __slots__ = (
         "sid", "depth", "chain_len", "first_key", "tail_keys", "last_time", "answer_tokens", "keys", "new_blocks",
-        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch", "prot", "odds", "wait",
-        "__weakref__",
+        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch", "prot",
+        "odds", "wait", "__weakref__",
     )
 
     def __init__(self, sid: int, now: float) -> None:
