@@ -67,6 +67,14 @@ class ConnectorOptions:
     debug_load_hold_steps: int = 0
     debug_save_hold_steps: int = 0
     debug_hold_request_prefix: str | list[str] = ""
+    #: an engine step with nothing to compute while kvtier work is in flight (asynchronous loads, prefetches,
+    #: saves that hold blocks) waits up to this long on the worker for one of them to end, with the GIL released,
+    #: instead of returning at once: the engine does not spin past a transfer thread that needs the GIL. Bounds
+    #: the delay such a step adds to a request arriving meanwhile. 0: no wait (the step returns at once)
+    idle_wait_ms: float = 20.0
+    #: testing only: asynchronous loads of the requests `debug_hold_request_prefix` names sleep this long on the
+    #: transfer thread (GIL released, outside the engine lock) before they run: a load in flight for a known time
+    debug_load_delay_s: float = 0.0
 
     @classmethod
     def parse(cls, raw: Any) -> "ConnectorOptions":
@@ -86,11 +94,13 @@ class ConnectorOptions:
         if out.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"{CONNECTOR_KEY}.kv_layout must be one of {', '.join(KV_LAYOUTS)}, got "
                               f"{out.kv_layout!r}")
-        for name in ("rpc_timeout_s", "prefetch_timeout_s", "debug_prefetch_delay_s"):
+        for name in ("rpc_timeout_s", "prefetch_timeout_s", "debug_prefetch_delay_s", "idle_wait_ms",
+                     "debug_load_delay_s"):
             v = getattr(out, name)
             number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if not number or v < 0 or (v == 0 and not name.startswith("debug_")):
-                raise ConfigError(f"{CONNECTOR_KEY}.{name} must be a number {'>=' if name.startswith('debug_') else '>'}"
+            may_be_zero = name.startswith("debug_") or name == "idle_wait_ms"
+            if not number or v < 0 or (v == 0 and not may_be_zero):
+                raise ConfigError(f"{CONNECTOR_KEY}.{name} must be a number {'>=' if may_be_zero else '>'}"
                                   f" 0, got {v!r}")
         if not isinstance(out.async_saves, bool):
             raise ConfigError(f"{CONNECTOR_KEY}.async_saves must be true or false, got {out.async_saves!r}")

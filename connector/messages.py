@@ -65,6 +65,9 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     preempted: list[str] = field(default_factory=list)
     #: finished requests whose blocks vLLM keeps (delay_free_blocks) until the worker reports their saves done
     held: list[str] = field(default_factory=list)
+    #: the step schedules no token: the worker may wait (bounded) for kvtier work in flight to end rather than
+    #: let the engine spin (`ConnectorOptions.idle_wait_ms`)
+    idle: bool = False
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.finished or self.preempted or self.held)

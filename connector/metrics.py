@@ -67,12 +67,15 @@ PREEMPTION_FLUSHES = counter("kvtier_connector_preemption_flushes_total",
                              "Preempted requests whose saves in flight finished before their blocks were reused")
 PREEMPTION_FLUSH_SECONDS = histogram("kvtier_connector_preemption_flush_seconds",
                                      "Time the step waited for preempted requests' saves in flight", buckets=_LAT)
+IDLE_WAIT_SECONDS = histogram("kvtier_connector_idle_wait_seconds",
+                              "Engine steps with nothing to compute: time the worker waited (GIL released) for a "
+                              "load, prefetch or save in flight to end", buckets=_LAT)
 FEEDBACK = counter("kvtier_connector_answer_feedback_total",
                    "Finished requests whose answer length reached the eviction policy")
 
 _SUM_KEYS = ("loads", "loaded_tokens", "load_seconds", "saves", "saved_tokens", "save_seconds", "load_error_blocks",
              "prefetches", "prefetched_tokens", "prefetch_seconds", "feedback", "async_loads", "preemption_flushes",
-             "prefetch_shared_chunks")
+             "prefetch_shared_chunks", "idle_waits", "idle_wait_seconds")
 
 
 @dataclass
@@ -117,6 +120,9 @@ class KVTierConnectorStats(KVConnectorStats):
             out["kvtier_avg_save_ms"] = round(1000 * d["save_seconds"] / d["saves"], 3)
         if d["prefetches"]:
             out["kvtier_avg_prefetch_ms"] = round(1000 * d["prefetch_seconds"] / d["prefetches"], 3)
+        if d["idle_waits"]:
+            out["kvtier_idle_waits"] = int(d["idle_waits"])
+            out["kvtier_avg_idle_wait_ms"] = round(1000 * d["idle_wait_seconds"] / d["idle_waits"], 3)
         return out
 
     def is_empty(self) -> bool:

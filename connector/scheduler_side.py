@@ -132,7 +132,7 @@ class SchedulerSide:
         self.counters = {"lookups": 0, "rpc_errors": 0, "prefetches": 0, "prefetch_failures": 0, "none_answers": 0,
                          "delay_hit_waits": 0, "async_loads": 0, "sync_loads": 0, "delayed_frees": 0,
                          "plan_recompute_ssd": 0, "idle_replans": 0, "ssd_observations": 0,
-                         "steps_during_async_loads": 0, "tokens_during_async_loads": 0}
+                         "steps_during_async_loads": 0, "tokens_during_async_loads": 0, "idle_steps": 0}
         self.world = world
         #: save job -> (request, end of the chunks it stores, ranks that reported it done)
         self._save_jobs: dict[int, list] = {}
@@ -540,6 +540,8 @@ class SchedulerSide:
         md.finished, self.finished = self.finished, []
         self._sync_budget_used = 0
         if not so.num_scheduled_tokens:
+            md.idle = True  # the worker waits (bounded) for its loads, prefetches or saves rather than spin
+            self.counters["idle_steps"] += 1
             self._replan_idle()
         return md
 

@@ -12,6 +12,8 @@ thread itself on CPU), so the forward pass never waits for them:
   the engine's work is done by then and the fence is empty.
 - `pending(req_id)` / `wait_for(req_ids)`: jobs of a request not finished yet; preemption waits for them.
 - `take_done()`: finished jobs and their results, for the engine thread to report.
+- `has_done()` and the `on_done` callback (run on the transfer thread after each job): the worker's idle wait
+  (`WorkerSide.get_finished`) sleeps until a job ends instead of letting the engine spin.
 - Testing only: a job submitted with `hold_steps=k` does not start before `tick()` (once per engine step) was
   called k times, or `release()` lets every held job go (a preemption, a flush, close). A held job holds the
   ones behind it too (FIFO). This makes "a load still in flight while other requests step" and "a save still in
@@ -20,6 +22,7 @@ thread itself on CPU), so the forward pass never waits for them:
 Every LMCache engine call of a job runs under `engine_lock`, which the worker also takes for the loads it runs
 synchronously, so LMCache's engine never runs two stores or retrieves at once. A job that raises is logged and
 reported done with `result=None` (the worker treats a load without a result as failed: its blocks are recomputed).
+A job with `delay_s` (testing only) sleeps that long first, outside the lock: a load in flight for a known time.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class TransferJob:
     fence: StreamFence | None = None
     #: testing only: engine steps (`TransferQueue.tick`) the job waits before it runs (a held-back read or copy)
     hold_steps: int = 0
+    #: testing only: seconds the job sleeps when it starts, before it takes the engine lock (a slow read)
+    delay_s: float = 0.0
     submitted: float = field(default_factory=time.monotonic)
     started: float = 0.0
     finished: float = 0.0
@@ -71,9 +76,11 @@ class TransferQueue:
     """One thread running `TransferJob`s in submission order."""
 
     def __init__(self, engine_lock: threading.Lock, device: torch.device | None = None,
-                 name: str = "kvtier-transfer") -> None:
+                 name: str = "kvtier-transfer", on_done: Callable[[], None] | None = None) -> None:
         self.engine_lock = engine_lock
         self.device = device
+        #: called on the transfer thread after each job finished (the worker's idle wait wakes on it)
+        self._on_done = on_done
         self._cond = threading.Condition()
         self._queue: collections.deque[TransferJob] = collections.deque()
         self._pending: dict[str, int] = {}
@@ -102,6 +109,11 @@ class TransferQueue:
     def inflight(self, kind: str) -> int:
         with self._cond:
             return self._inflight.get(kind, 0)
+
+    def has_done(self) -> bool:
+        """Whether a finished job waits for `take_done`."""
+        with self._cond:
+            return bool(self._done)
 
     def __len__(self) -> int:
         with self._cond:
@@ -175,9 +187,13 @@ class TransferQueue:
                 self._running = None
                 self._done.append(job)
                 self._cond.notify_all()
+            if self._on_done is not None:
+                self._on_done()
 
     def _execute(self, job: TransferJob) -> None:
         job.started = time.monotonic()
+        if job.delay_s > 0:
+            time.sleep(job.delay_s)
         try:
             with self.engine_lock:
                 if job.fence is not None and job.fence.event is not None:

@@ -121,6 +121,8 @@ class WorkerSide:
         #: requests whose asynchronous load is queued or running (their pins are released when it ends)
         self._loading: set[str] = set()
         self._completed_saves: dict[int, int] = {}
+        #: notified when a transfer job or a prefetch ends: an idle step's wait (`_wait_idle`) wakes on it
+        self._progress = threading.Condition()
 
     # ------------------------------------------------------------------ start-up
     def _detect_layout(self, names: list[str], heads: int, head_dim: int) -> str:
@@ -202,7 +204,7 @@ class WorkerSide:
         if self.host is None:
             self.close()
             raise ConfigError("LMCache started without its host tier (LocalCPUBackend); set local_cpu: true")
-        self.transfers = TransferQueue(self._engine_lock, self.kv_list[0].device)
+        self.transfers = TransferQueue(self._engine_lock, self.kv_list[0].device, on_done=self._notify_progress)
         if self.cfg.shared is not None:
             try:
                 self.shared = self._attach_shared(md, heads, head_dim)
@@ -414,6 +416,7 @@ class WorkerSide:
                 self.release(rid)
             else:
                 self._prefetch_done[rid] = res
+        self._notify_progress()
 
     def _land(self, rid: str, todo: list[tuple[int, int, Any]], objs: list[Any], acc: list[Any]) -> None:
         """Put a prefetch's read chunks into the host tier pinned for `rid`, in order up to the first that did not
@@ -460,10 +463,14 @@ class WorkerSide:
             except Exception:
                 logger.exception("kvtier: answer-length feedback for %s failed", f.req_id)
 
+    def _held_back(self, req_id: str) -> bool:
+        """Testing only: whether the debug hold and delay options apply to `req_id`'s jobs."""
+        p = self.cfg.options.debug_hold_request_prefix
+        return req_id.startswith(p if isinstance(p, str) else tuple(p))
+
     def _hold(self, req_id: str, steps: int) -> int:
         """Testing only: engine steps a job of `req_id` waits before it runs."""
-        p = self.cfg.options.debug_hold_request_prefix
-        return steps if steps > 0 and req_id.startswith(p if isinstance(p, str) else tuple(p)) else 0
+        return steps if steps > 0 and self._held_back(req_id) else 0
 
     def start_load(self) -> None:
         md = self._metadata
@@ -474,9 +481,11 @@ class WorkerSide:
             if spec.is_async and self.transfers is not None:
                 if fence is None:  # after this step's zeroing of new blocks (GPU)
                     fence = StreamFence(self.kv_list[0].device)
+                delay = self.cfg.options.debug_load_delay_s if self._held_back(spec.req_id) else 0.0
                 self.transfers.submit(TransferJob("load", spec.req_id, lambda sp=spec: (self._load(sp),), spec=spec,
                                                   fence=fence, hold_steps=self._hold(
-                                                      spec.req_id, self.cfg.options.debug_load_hold_steps)))
+                                                      spec.req_id, self.cfg.options.debug_load_hold_steps),
+                                                  delay_s=delay))
                 self._loading.add(spec.req_id)
                 continue
             t0 = time.monotonic()
@@ -546,6 +555,9 @@ class WorkerSide:
         recving: set[str] = set()
         if self.transfers is not None:
             self.transfers.tick()
+            md = self._metadata
+            if md is not None and md.idle:
+                self._wait_idle(self.cfg.options.idle_wait_ms / 1000.0)
             for job in self.transfers.take_done():
                 M.TRANSFER_QUEUE_SECONDS.labels(job.kind).observe(job.finished - job.submitted)
                 if job.kind == "load":
@@ -561,6 +573,31 @@ class WorkerSide:
         sending = {r for r in self._held if self.transfers is None or not self.transfers.pending(r)}
         self._held -= sending
         return sending or None, recving or None
+
+    def _notify_progress(self) -> None:
+        with self._progress:
+            self._progress.notify_all()
+
+    def _wait_idle(self, timeout: float) -> None:
+        """A step with nothing to compute: wait up to `timeout` seconds (GIL released) until a transfer job or a
+        prefetch has ended that the engine has not seen yet, or nothing is in flight any more. Without this wait an
+        engine that steps in the caller's thread (vLLM's in-process mode) runs empty steps back to back, holding
+        the GIL that the transfer thread needs to finish the very load the engine waits for."""
+        if timeout <= 0 or self.transfers is None:
+            return
+        q = self.transfers
+
+        def news() -> bool:  # something to report, or nothing left to wait for
+            return q.has_done() or bool(self._prefetch_done) or not (len(q) or self._prefetching)
+
+        t0 = time.monotonic()
+        with self._progress:
+            if news():
+                return
+            self._progress.wait_for(news, timeout)
+        dt = time.monotonic() - t0
+        M.IDLE_WAIT_SECONDS.observe(dt)
+        self._stat(idle_waits=1, idle_wait_seconds=dt)
 
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
         if not self._completed_saves:

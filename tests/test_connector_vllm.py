@@ -294,3 +294,60 @@ def test_bad_config_stops_engine_at_start(runs, tmp_path):
         log = eng.log_text()
     assert rc != 0
     assert "ConfigError" in log and "kvtier.ssd_path" in log and "cannot create" in log, log[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------ idle steps
+# The engine does not spin while its only runnable work waits on kvtier (a follow-up turn once stalled 7-9 s).
+#
+# vLLM's in-process engine (`LLM`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) runs its steps back to back in the caller's
+# thread. A step with nothing to compute returns at once, so while a request waits for kvtier (its SSD prefetch,
+# then its asynchronous load on the transfer thread) the engine runs empty steps that hold the GIL the transfer
+# thread needs. The connector's answer: a step whose metadata says `idle` waits on the worker, with the GIL
+# released, until a load, prefetch or save in flight ends, at most `idle_wait_ms`.
+#
+# The scenario, with the real engine and both schedulers (vLLM's own, and kvtier's DualQueueScheduler):
+# conversation 0's history leaves the 4-chunk host tier (conversations 1-3 push it out) and stays on the SSD tier;
+# its turn 2 then runs alone. Its prefetch sleeps IDLE_DELAY_S (a slow SSD), then its load runs off the step and
+# sleeps IDLE_DELAY_S on the transfer thread (a slow copy): for 2 x IDLE_DELAY_S nothing else is runnable. Each idle
+# step waits the whole IDLE_WAIT_MS unless a transfer ends, so the engine takes at most about
+# 2 x IDLE_DELAY_S / IDLE_WAIT_MS idle steps (plus one per job that ends); with the wait off (`idle_wait_ms: 0`, the
+# code before the fix) it takes thousands. Step counts, not timings, are asserted; the outputs must equal the run
+# without a connector.
+IDLE_DELAY_S = 1.0
+IDLE_WAIT_MS = 100.0
+IDLE_SCHEDULE = [[0], [1], [2], [3], [0]]
+#: idle steps the wait allows: the two delays at one wait each, plus wake-ups by jobs that end (turn 2's saves and
+#: earlier turns' last saves) and the steps around them
+MAX_IDLE_STEPS = int(2 * IDLE_DELAY_S * 1000 / IDLE_WAIT_MS) + 12
+
+
+@pytest.fixture(scope="module")
+def idle_runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("idle-wait")
+    convs, model = conversations_and_model(work)
+    base = {"model": model, "conversations": convs, "schedule": IDLE_SCHEDULE}
+    out = {"baseline": run_engine(work, "baseline", **base)}
+    for name, sched in (("plain", None), ("dual_queue", "kvtier.scheduler_hooks.DualQueueScheduler")):
+        yaml_path = lmcache_yaml(work, work / f"ssd-{name}", host_chunks=4, extra={"eviction_policy": "answer-length"})
+        out[name] = run_engine(work, name, **base, scheduler_cls=sched, kv_transfer_config=kv_config(
+            yaml_path, sync_load_budget_tokens=0, idle_wait_ms=IDLE_WAIT_MS, debug_prefetch_delay_s=IDLE_DELAY_S,
+            debug_load_delay_s=IDLE_DELAY_S))
+    return out
+
+
+@pytest.mark.parametrize("name", ["plain", "dual_queue"])
+def test_idle_engine_waits_for_the_load_instead_of_spinning(idle_runs, name):
+    got = idle_runs[name]
+    c = got["counters"]
+    # the scenario happened: turn 2 of conversation 0 waited for an SSD prefetch, then for an asynchronous load
+    assert c["prefetches"] >= 1 and c["async_loads"] >= 1, c
+    assert got["admitted"][-1][2] > 0, got["admitted"]  # its history came from the SSD tier
+    if name == "dual_queue":
+        assert got["policy"] == "DualQueuePolicy"
+    # about 2 s with nothing runnable: a bounded number of idle steps, each spent waiting on the worker
+    assert 2 <= c["idle_steps"] <= MAX_IDLE_STEPS, c
+    assert c["steps_during_async_loads"] <= IDLE_DELAY_S * 1000 / IDLE_WAIT_MS + 6, c
+    m = got["metrics"]
+    assert m.get("kvtier_connector_idle_wait_seconds_count", 0) >= 2, m
+    assert m.get("kvtier_connector_load_error_blocks_total", 0) == 0
+    _compare(idle_runs["baseline"], got)
