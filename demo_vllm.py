@@ -98,6 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "column; its L1 is the kvtier host tier's size)")
     p.add_argument("--mp-port", type=int, default=0, help="port of that `lmcache server` (default: a free one)")
     p.add_argument("--mp-http-port", type=int, default=0, help="its HTTP admin port (default: a free one)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the whole comparison this many times (fresh engines and SSD tier each time) and print "
+                        "the spread: min / median / max of the mean follow-up speed-up and each side's slowest "
+                        "follow-up turn (the full tables are printed for the last run)")
 
 
 # --------------------------------------------------------------------------------------------- workload
@@ -429,10 +433,63 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x"
 
 
+def _faster(base: float, other: float) -> str:
+    """`other` against `base` (both times) in words: "2.10x faster" or "1.85x slower"."""
+    if not base or not other or math.isnan(base) or math.isnan(other):
+        return "n/a"
+    return f"{base / other:.2f}x faster" if other <= base else f"{other / base:.2f}x slower"
+
+
+@dataclass(frozen=True)
+class FollowUps:
+    """One run's follow-up turns (turn >= 2), vLLM alone against vLLM + kvtier."""
+
+    speedup_mean: float  #: mean TTFT without kvtier / mean TTFT with it (> 1: kvtier faster)
+    speedup_median: float
+    slowest_base_s: float  #: the slowest follow-up turn's TTFT without kvtier
+    slowest_kvtier_s: float
+    slowest_kvtier_turn: tuple[int, int]  #: (conversation, turn) of kvtier's slowest follow-up
+
+    @classmethod
+    def of(cls, base: "RunResult", kvt: "RunResult") -> "FollowUps":
+        b, k = base.ttft(2), kvt.ttft(2)
+        worst = max((r for r in kvt.requests if r["turn"] >= 2), key=lambda r: r["ttft"])
+        return cls(statistics.mean(b) / statistics.mean(k), _pct(b, 0.5) / _pct(k, 0.5), max(b), max(k),
+                   (worst["conv"], worst["turn"]))
+
+
+def _print_spread(runs: list[FollowUps]) -> None:
+    """The repeated comparison: min / median / max over runs."""
+    def mmm(xs: list[float], fmt: str) -> str:
+        return " / ".join(fmt.format(x) for x in (min(xs), statistics.median(xs), max(xs)))
+
+    n = len(runs)
+    print(f"\nrepeated {n} times (fresh engines and SSD tier each run): follow-up turns (turn >= 2), "
+          "min / median / max over runs")
+    print(f"  mean TTFT speed-up (vLLM alone / kvtier): {mmm([r.speedup_mean for r in runs], '{:.2f}x')}")
+    print(f"  median TTFT speed-up:                     {mmm([r.speedup_median for r in runs], '{:.2f}x')}")
+    print(f"  slowest follow-up, vLLM alone:            "
+          f"{mmm([1000 * r.slowest_base_s for r in runs], '{:.0f}')} ms")
+    print(f"  slowest follow-up, vLLM + kvtier:         "
+          f"{mmm([1000 * r.slowest_kvtier_s for r in runs], '{:.0f}')} ms")
+    for i, r in enumerate(runs, 1):
+        print(f"  run {i:>2}: mean {_faster(1.0, 1.0 / r.speedup_mean)}, median "
+              f"{_faster(1.0, 1.0 / r.speedup_median)}; slowest follow-up {1000 * r.slowest_base_s:.0f} ms alone, "
+              f"{1000 * r.slowest_kvtier_s:.0f} ms with kvtier (conversation {r.slowest_kvtier_turn[0]} turn "
+              f"{r.slowest_kvtier_turn[1]})")
+    slower = sum(1 for r in runs if r.speedup_mean < 1)
+    worse_tail = sum(1 for r in runs if r.slowest_kvtier_s > r.slowest_base_s)
+    print(f"  kvtier slower on average in {slower} of {n} runs; its slowest follow-up slower than vLLM alone's "
+          f"slowest in {worse_tail} of {n} runs")
+
+
 def run(args: argparse.Namespace) -> int:
     t_all = time.perf_counter()
     if args.chunk_tokens % args.page_tokens:
         print(f"--chunk-tokens {args.chunk_tokens} must be a multiple of --page-tokens {args.page_tokens}")
+        return 2
+    if args.repeat < 1:
+        print(f"--repeat must be at least 1, got {args.repeat}")
         return 2
     turns, longest = build_workload(args.trace, args.conversations, args.turns, args.block_tokens,
                                     args.max_prompt_tokens, args.answer_tokens)
@@ -488,22 +545,33 @@ def run(args: argparse.Namespace) -> int:
     if args.lmcache_mp:
         print(f"  {LMCACHE_MP_NOTE}")
     sys.stdout.flush()
-    mp = None
-    try:
-        base = _run_engine("baseline", "vLLM, no connector", workdir, base_args, len(turns), args.timeout)
-        kvt = _run_engine("kvtier", "vLLM + kvtier", workdir, dict(
-            base_args, kv_transfer_config=kv_cfg, scheduler_cls="kvtier.scheduler_hooks.DualQueueScheduler"),
-            len(turns), args.timeout)
-        if args.lmcache_mp:
-            mp = _run_lmcache_mp(workdir, base_args, host_mb, args, len(turns))
-    except RuntimeError as e:
-        print(f"\nERROR: {e}")
-        if own:
-            print(f"(work directory kept: {workdir})")
-        return 1
-    rc = _report(base, kvt, turns, args)
-    if mp is not None:
-        rc = max(rc, _report_lmcache_mp(base, kvt, mp, turns))
+    rc = 0
+    spread: list[FollowUps] = []
+    for i in range(args.repeat):
+        mp = None
+        last = i == args.repeat - 1
+        if args.repeat > 1:
+            print(f"\n== run {i + 1} of {args.repeat}", flush=True)
+            if args.ssd_path is None:  # every run starts from an empty SSD tier, as the first one does
+                shutil.rmtree(ssd_dir, ignore_errors=True)
+        try:
+            base = _run_engine("baseline", "vLLM, no connector", workdir, base_args, len(turns), args.timeout)
+            kvt = _run_engine("kvtier", "vLLM + kvtier", workdir, dict(
+                base_args, kv_transfer_config=dict(kv_cfg, engine_id=f"{kv_cfg['engine_id']}-{i}"),
+                scheduler_cls="kvtier.scheduler_hooks.DualQueueScheduler"), len(turns), args.timeout)
+            if args.lmcache_mp:
+                mp = _run_lmcache_mp(workdir, base_args, host_mb, args, len(turns))
+        except RuntimeError as e:
+            print(f"\nERROR: {e}")
+            if own:
+                print(f"(work directory kept: {workdir})")
+            return 1
+        rc = max(rc, _report(base, kvt, turns, args, full=last))
+        if mp is not None:
+            rc = max(rc, _report_lmcache_mp(base, kvt, mp, turns))
+        spread.append(FollowUps.of(base, kvt))
+    if args.repeat > 1:
+        _print_spread(spread)
     if args.json:
         Path(args.json).write_text(json.dumps({"baseline": base.raw, "kvtier": kvt.raw,
                                                **({"lmcache_mp": mp.raw} if mp is not None else {})}, indent=1))
@@ -570,8 +638,8 @@ def _report_lmcache_mp(base: RunResult, kvt: RunResult, mp: RunResult, turns: li
           f"`fs` L2, which stored {int(c.get('lmcache_mp_l2_store_completed_objects_chunks_total', 0))}")
     later_k, later_m = kvt.ttft(2), mp.ttft(2)
     if later_k and later_m:
-        print(f"TTFT of follow-up turns: kvtier {_ratio(statistics.mean(later_m), statistics.mean(later_k))} faster "
-              f"than LMCache MP (fs) on average ({_ratio(_pct(later_m, 0.5), _pct(later_k, 0.5))} at the median)")
+        print(f"TTFT of follow-up turns: kvtier {_faster(statistics.mean(later_m), statistics.mean(later_k))} "
+              f"than LMCache MP (fs) on average ({_faster(_pct(later_m, 0.5), _pct(later_k, 0.5))} at the median)")
     diff = [k for k in b_by if b_by[k]["tokens"] != m_by[k]["tokens"]]
     if diff:
         print(f"LMCache MP generated tokens: DIFFERENT from the run without a connector in {len(diff)} of "
@@ -581,10 +649,18 @@ def _report_lmcache_mp(base: RunResult, kvt: RunResult, mp: RunResult, turns: li
     return 0
 
 
-def _report(base: RunResult, kvt: RunResult, turns: list[Turn], args: argparse.Namespace) -> int:
+def _report(base: RunResult, kvt: RunResult, turns: list[Turn], args: argparse.Namespace, full: bool = True) -> int:
+    """Prints the comparison (with `full`, the per-request and per-turn tables and the cross-checks too);
+    returns 1 if the generated tokens differ."""
     key = lambda r: (r["conv"], r["turn"])  # noqa: E731
     b_by = {key(r): r for r in base.requests}
     k_by = {key(r): r for r in kvt.requests}
+    if full:
+        _print_tables(base, kvt, turns, b_by, k_by)
+    return _print_summary(base, kvt, turns, b_by, k_by, full)
+
+
+def _print_tables(base: RunResult, kvt: RunResult, turns: list[Turn], b_by: dict, k_by: dict) -> None:
     print("\nper request (arrival order; hits in tokens: GPU = vLLM's own prefix cache, host / SSD = kvtier)")
     head = (f"{'conv':>4} {'turn':>4} {'prompt':>6} | {'TTFT ms':>8} {'GPU hit':>7} | {'TTFT ms':>8} {'GPU hit':>7} "
             f"{'host hit':>8} {'SSD hit':>7} | {'speed-up':>8}")
@@ -609,7 +685,9 @@ def _report(base: RunResult, kvt: RunResult, turns: list[Turn], args: argparse.N
               f"{1000 * statistics.mean(kt):>8.1f} / {1000 * statistics.median(kt):>5.1f} "
               f"{_ratio(statistics.mean(bt), statistics.mean(kt)):>16} {hits:>21}")
 
-    # summary
+
+def _print_summary(base: RunResult, kvt: RunResult, turns: list[Turn], b_by: dict, k_by: dict, full: bool) -> int:
+    key = lambda r: (r["conv"], r["turn"])  # noqa: E731
     rows = []
     for r in (base, kvt):
         later = r.ttft(2)
@@ -635,14 +713,15 @@ def _report(base: RunResult, kvt: RunResult, turns: list[Turn], args: argparse.N
           f"{'':>8}{_ratio(a['mean2'], b['mean2']):>8}{_ratio(a['p50_2'], b['p50_2']):>8}"
           f"{_ratio(a['p90_2'], b['p90_2']):>8}{_ratio(a['wall'], b['wall']):>8}")
     print("(ratio row: prefilled tokens kvtier / none; TTFT and wall time none / kvtier, i.e. kvtier's speed-up)")
-    print(f"\nkvtier: TTFT of follow-up turns {_ratio(a['mean2'], b['mean2'])} faster on average "
-          f"({_ratio(a['p50_2'], b['p50_2'])} at the median); cached prompt tokens {b['hit']} vs {a['hit']} "
+    print(f"\nkvtier: TTFT of follow-up turns {_faster(a['mean2'], b['mean2'])} on average "
+          f"({_faster(a['p50_2'], b['p50_2'])} at the median); cached prompt tokens {b['hit']} vs {a['hit']} "
           f"({_ratio(b['hit'], a['hit'])}), {b['host']} from the host tier and {b['ssd']} from the SSD tier; "
-          f"prefilled tokens {b['computed']} vs {a['computed']}; replay wall time {_ratio(a['wall'], b['wall'])} "
-          "shorter.")
+          f"prefilled tokens {b['computed']} vs {a['computed']}; replay wall time {_faster(a['wall'], b['wall'])}.")
+    ok = _print_token_check(base, kvt, turns, b_by, k_by)
+    if not full:
+        return 0 if ok else 1
 
     # cross-checks
-    ok = True
     src = kvt.raw.get("cached_by_source", {})
     vh, vd = int(src.get("host", 0)), int(src.get("disk", 0))
     print(f"vLLM's own counter vllm:prompt_tokens_cached_by_source (kvtier run, warm-up included): host {vh}, "
@@ -653,19 +732,9 @@ def _report(base: RunResult, kvt: RunResult, turns: list[Turn], args: argparse.N
     print(f"kvtier: scheduler {kvt.raw.get('scheduler')}, {cnt.get('prefetches', 0)} SSD prefetches "
           f"({cnt.get('none_answers', 0)} 'not yet' answers while they ran), SSD tier {st.get('hits', 0)} chunk "
           f"hits, {st.get('corrupt', 0)} corrupt, load errors "
-          f"{int(m.get('kvtier_connector_load_error_blocks_total', 0))} blocks")
-    diff = []
-    for t in turns:
-        bt, kt = b_by[(t.conv, t.turn)]["tokens"], k_by[(t.conv, t.turn)]["tokens"]
-        if bt != kt:
-            diff.append((t.conv, t.turn))
-    n_tok = sum(len(r["tokens"]) for r in base.requests)
-    if diff:
-        ok = False
-        print(f"generated tokens: DIFFERENT in {len(diff)} of {len(turns)} requests (first: conversation "
-              f"{diff[0][0]} turn {diff[0][1]})")
-    else:
-        print(f"generated tokens: identical in both runs ({len(turns)} requests, {n_tok} tokens, greedy)")
+          f"{int(m.get('kvtier_connector_load_error_blocks_total', 0))} blocks; {cnt.get('idle_steps', 0)} engine "
+          f"steps with nothing to compute ({cnt.get('steps_during_async_loads', 0)} steps while "
+          f"{cnt.get('async_loads', 0)} asynchronous loads were in flight)")
     for r in (base, kvt):
         by = {key(x): x for x in r.requests}
         lost = []
@@ -680,6 +749,18 @@ def _report(base: RunResult, kvt: RunResult, turns: list[Turn], args: argparse.N
     print(f"engine start: {base.start_s:.0f} s (no connector), {kvt.start_s:.0f} s (kvtier)")
     print(LMCACHE_CPU_NOTE)
     return 0 if ok else 1
+
+
+def _print_token_check(base: RunResult, kvt: RunResult, turns: list[Turn], b_by: dict, k_by: dict) -> bool:
+    """Whether both runs generated the same tokens for every request (printed either way)."""
+    diff = [(t.conv, t.turn) for t in turns if b_by[(t.conv, t.turn)]["tokens"] != k_by[(t.conv, t.turn)]["tokens"]]
+    if diff:
+        print(f"generated tokens: DIFFERENT in {len(diff)} of {len(turns)} requests (first: conversation "
+              f"{diff[0][0]} turn {diff[0][1]})")
+        return False
+    n_tok = sum(len(r["tokens"]) for r in base.requests)
+    print(f"generated tokens: identical in both runs ({len(turns)} requests, {n_tok} tokens, greedy)")
+    return True
 
 
 def _plot(base: RunResult, kvt: RunResult, path: str, mp: RunResult | None = None) -> None:

@@ -67,6 +67,10 @@ PREEMPTION_FLUSHES = counter("kvtier_connector_preemption_flushes_total",
                              "Preempted requests whose saves in flight finished before their blocks were reused")
 PREEMPTION_FLUSH_SECONDS = histogram("kvtier_connector_preemption_flush_seconds",
                                      "Time the step waited for preempted requests' saves in flight", buckets=_LAT)
+ENGINE_STEPS = counter("kvtier_connector_engine_steps_total",
+                       "Engine steps the scheduler side saw: all of them (kind=all), those that scheduled no token "
+                       "(idle) and those that ran while an asynchronous load was in flight (during_async_load)",
+                       ["kind"])
 IDLE_WAIT_SECONDS = histogram("kvtier_connector_idle_wait_seconds",
                               "Engine steps with nothing to compute: time the worker waited (GIL released) for a "
                               "load, prefetch or save in flight to end", buckets=_LAT)

@@ -17,7 +17,9 @@
   request still waiting for its read. Prefetch byte counts and durations calibrate the planner's SSD bandwidth.
 - `build_connector_meta` turns admitted loads, newly completed chunks (save jobs, numbered), requests preempted
   this step, finished requests whose blocks are held, and finished requests (answer length and token chain) into
-  the step's `KVTierConnectorMetadata`. `update_connector_output` collects the save jobs the workers finished.
+  the step's `KVTierConnectorMetadata`, marked `idle` when the step schedules no token (the worker then waits,
+  bounded, for its transfers instead of letting the engine spin). `update_connector_output` collects the save jobs
+  the workers finished.
 - `request_finished` keeps a finished request's blocks (delay_free_blocks) while one of its saves is not done;
   the worker reports it in `finished_sending` once they are.
 - Hints count `inflight_tokens`: an admitted request's prompt chunks are *computing* until their save is done; a
@@ -486,7 +488,9 @@ class SchedulerSide:
         # new loads start after its forward pass), and the tokens they compute for other requests
         fresh = {spec.req_id for spec in self._async_loads}
         loading = {rid for rid, st in self.reqs.items() if st.loading and rid not in fresh}
+        M.ENGINE_STEPS.labels("all").inc()
         if loading:
+            M.ENGINE_STEPS.labels("during_async_load").inc()
             self.counters["steps_during_async_loads"] += 1
             self.counters["tokens_during_async_loads"] += sum(
                 int(n) for rid, n in so.num_scheduled_tokens.items() if rid not in loading)
@@ -542,6 +546,7 @@ class SchedulerSide:
         if not so.num_scheduled_tokens:
             md.idle = True  # the worker waits (bounded) for its loads, prefetches or saves rather than spin
             self.counters["idle_steps"] += 1
+            M.ENGINE_STEPS.labels("idle").inc()
             self._replan_idle()
         return md
 

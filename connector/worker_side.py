@@ -20,6 +20,9 @@
   (`finished_sending`); a preempted request's saves finish in `handle_preemptions`, before the step's forward pass
   may overwrite its blocks.
 - Finished requests' answer lengths and chunk chains reach the SSD tier's eviction policy.
+- A step that schedules no token (`KVTierConnectorMetadata.idle`) waits in `get_finished`, GIL released, until a
+  transfer job or a prefetch ends, at most `idle_wait_ms`: an engine stepping in the caller's thread would
+  otherwise spin, holding the GIL the transfer thread needs to finish the load the engine is waiting for.
 """
 
 from __future__ import annotations
