@@ -149,7 +149,11 @@ class PageMover:
         )
 
     def plan_chunks(self, chunks: Sequence[HostChunk]) -> list[TransferPlan]:
-        """Plan moving whole chunks; one plan (one launch) per host storage the chunks live in."""
+        """Plan moving whole chunks; one plan (one launch) per host storage the chunks live in.
+
+        The per-chunk work is plain Python on integers; the plan's index tensors are built once per plan (a few
+        torch calls, not a few per chunk): each torch call releases the GIL, and on a busy engine every release
+        costs the transfer thread a wait for the GIL again."""
         pg = self.pages
         groups: dict[int, list[HostChunk]] = {}
         for i, c in enumerate(chunks):
@@ -166,7 +170,9 @@ class PageMover:
             base = _flat_storage(members[0].host)
             base_ptr = base.data_ptr()
             esize = base.element_size()
-            offs, ntoks, starts, slot_parts = [], [], [], []
+            offs: list[int] = []
+            ntoks: list[int] = []
+            starts: list[int] = []
             tok = 0
             for c in members:
                 delta = c.host.data_ptr() - base_ptr
@@ -174,22 +180,22 @@ class PageMover:
                     raise LayoutError("host chunk is not aligned to its element size")
                 n = int(c.slots.numel())
                 p, per = pg.chunk_pages(n)
-                k = torch.arange(p, dtype=torch.int64)
-                offs.append(delta // esize + k * pg.page_elems(per))
-                ntoks.append(torch.full((p,), per, dtype=torch.int64))
-                starts.append(tok + k * per)
-                slot_parts.append(_as_index(c.slots, "slots"))
+                step = pg.page_elems(per)
+                first = delta // esize
+                offs.extend(range(first, first + p * step, step))
+                ntoks.extend([per] * p)
+                starts.extend(range(tok, tok + p * per, per))
                 tok += n
-            ntok = torch.cat(ntoks)
             plans.append(
                 TransferPlan(
                     kv=self.kv,
                     host=base,
-                    host_offsets=torch.cat(offs),
-                    page_ntok=ntok,
-                    tok_start=torch.cat(starts),
-                    slots=torch.cat(slot_parts),
-                    max_page_tokens=int(ntok.max()),
+                    host_offsets=torch.tensor(offs, dtype=torch.int64),
+                    page_ntok=torch.tensor(ntoks, dtype=torch.int64),
+                    tok_start=torch.tensor(starts, dtype=torch.int64),
+                    slots=_as_index(torch.cat([c.slots for c in members]) if len(members) > 1 else members[0].slots,
+                                    "slots"),
+                    max_page_tokens=max(ntoks),
                 )
             )
         return plans

@@ -35,7 +35,7 @@ from typing import Any, List, Optional, Sequence, Union
 import torch
 
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj, TensorMemoryObj
 
 from .dispatch import HostChunk, Impl, PageMover
 from .layout import KVLayoutKind, LayoutError, PageFirstLayout, validate_plan
@@ -124,6 +124,8 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         self._mover_key: tuple = ()
         self.store_stream: Any = None
         self.load_stream: Any = None
+        #: (storage address, bytes, dtype) -> a flat view over that whole storage (`_host_region`)
+        self._host_views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     @classmethod
     def from_metadata(
@@ -199,13 +201,11 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         mover = self._get_mover(kwargs)
         slot_mapping = self._slot_mapping(kwargs)
         vllm_cached = int(kwargs.get("vllm_cached_tokens", 0) or 0)
-        chunks = []
-        for obj, start, end in zip(objs, starts, ends, strict=True):
-            slots = slot_mapping[start:end].clone()
-            skip = min(end - start, max(0, vllm_cached - start))
-            if skip:
-                slots[:skip] = -1  # already in vLLM's cache, maybe shared: do not rewrite
-            chunks.append(HostChunk(host=_flat(obj), slots=slots))
+        if vllm_cached > 0:  # tokens already in vLLM's cache, maybe shared: not rewritten (one copy, not per chunk)
+            slot_mapping = slot_mapping.clone()
+            slot_mapping[:vllm_cached] = -1
+        chunks = [HostChunk(host=self._host_region(obj), slots=slot_mapping[start:end])
+                  for obj, start, end in zip(objs, starts, ends, strict=True)]
         self._run(mover, chunks, to_host=False)
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -224,6 +224,34 @@ class PageFirstGPUConnector(GPUConnectorInterface):
             raise PageFormatMismatch(str(exc)) from exc
         if n != num_tokens:
             raise PageFormatMismatch(f"chunk holds {n} tokens, the request range has {num_tokens}")
+
+    #: storages whose flat views `_host_region` keeps (LMCache's host pool is one storage; a bound all the same)
+    MAX_HOST_VIEWS = 8
+
+    def _host_region(self, obj: MemoryObj) -> torch.Tensor:
+        """A load's chunk as a flat tensor of the KV dtype: a slice of a kept flat view over the storage it lives
+        in. `MemoryObj.tensor` builds three views and the reshape a fourth, and each view call releases the GIL:
+        on a busy engine (another thread wants the GIL) every release costs the transfer thread up to the switch
+        interval, so four of them per chunk made a 32-chunk load last seconds (`benchmarks/load_gil.py`)."""
+        if not isinstance(obj, TensorMemoryObj):
+            return _flat(obj)
+        if not obj.is_valid():
+            raise PageFormatMismatch("memory object has no tensor (invalidated?)")
+        raw = obj.raw_data
+        dtype = self.pages.dtype
+        storage = raw.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes(), dtype)
+        base = self._host_views.get(key)
+        if base is None:
+            if len(self._host_views) >= self.MAX_HOST_VIEWS:
+                self._host_views.clear()
+            n = storage.nbytes() // dtype.itemsize
+            base = self._host_views[key] = torch.empty(0, dtype=dtype, device=raw.device).set_(storage, 0, (n,), (1,))
+        offset, size = obj.data_ptr - storage.data_ptr(), obj.get_size()
+        if offset % dtype.itemsize or size % dtype.itemsize:
+            return _flat(obj)
+        first = offset // dtype.itemsize
+        return base[first:first + size // dtype.itemsize]
 
     @staticmethod
     def _flat_objs(memory_objs: Sequence[Any]) -> List[MemoryObj]:
