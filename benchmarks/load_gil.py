@@ -16,7 +16,8 @@ CPU KV tensors of the demo model's geometry (4 layers, 2 KV heads of 64, fp32, `
 - `quiet`: nothing else runs;
 - `busy`: a second thread runs pure Python in a loop (a stand-in for the engine loop), as during a step.
 
-Printed per case: median / max of the whole retrieve and of the connector part alone (ms), and the ratio busy /
+`--switch-interval-ms 0.5` repeats it with a tenth of CPython's switch interval: a busy load that shrinks with it
+was waiting for the GIL, not for memory or a lock. Printed per case: median / max of the whole retrieve and of the connector part alone (ms), and the ratio busy /
 quiet. Same process, interleaved, so a drifting machine hits both alike.
 """
 
@@ -63,7 +64,12 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--page", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="CPython's GIL switch interval for the run (default: CPython's, 5 ms); if a busy load "
+                         "shrinks with it, the load was waiting for the GIL")
     args = ap.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     block = args.page
     blocks = 2 * args.tokens // block + 1
     engine, conn, caches = _engine(args.chunk, args.page, blocks, block)

@@ -181,7 +181,7 @@ class PageFirstGPUConnector(GPUConnectorInterface):
                 raise PageFormatMismatch(
                     f"chunk of {tuple(obj.metadata.shape)} cannot hold {n} tokens in page-first layout"
                 )
-            chunks.append(HostChunk(host=_flat(obj), slots=slot_mapping[start:end]))
+            chunks.append(HostChunk(host=self._host_region(obj), slots=slot_mapping[start:end]))
         self._run(mover, chunks, to_host=True)
         for obj, start, end in zip(objs, starts, ends, strict=True):
             retag_chunk(obj, PAGE_FIRST_FMT, self.pages.chunk_shape(end - start))
@@ -229,7 +229,7 @@ class PageFirstGPUConnector(GPUConnectorInterface):
     MAX_HOST_VIEWS = 8
 
     def _host_region(self, obj: MemoryObj) -> torch.Tensor:
-        """A load's chunk as a flat tensor of the KV dtype: a slice of a kept flat view over the storage it lives
+        """A chunk (loaded or stored) as a flat tensor of the KV dtype: a slice of a kept flat view over the storage it lives
         in. `MemoryObj.tensor` builds three views and the reshape a fourth, and each view call releases the GIL:
         on a busy engine (another thread wants the GIL) every release costs the transfer thread up to the switch
         interval, so four of them per chunk made a 32-chunk load last seconds (`benchmarks/load_gil.py`)."""
