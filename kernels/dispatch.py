@@ -62,11 +62,12 @@ def _as_index(x: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def _flat_storage(t: torch.Tensor) -> torch.Tensor:
-    """A flat tensor of ``t``'s dtype over the whole storage ``t`` lives in."""
+def _flat_storage(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A flat tensor of ``dtype`` (default ``t``'s) over the whole storage ``t`` lives in."""
+    dtype = t.dtype if dtype is None else dtype
     storage = t.untyped_storage()
-    n = storage.nbytes() // t.element_size()
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (n,), (1,))
+    n = storage.nbytes() // dtype.itemsize
+    return torch.empty(0, dtype=dtype, device=t.device).set_(storage, 0, (n,), (1,))
 
 
 class PageMover:

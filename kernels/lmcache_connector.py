@@ -37,7 +37,7 @@ import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, TensorMemoryObj
 
-from .dispatch import HostChunk, Impl, PageMover
+from .dispatch import HostChunk, Impl, PageMover, _flat_storage
 from .layout import KVLayoutKind, LayoutError, PageFirstLayout, validate_plan
 
 logger = logging.getLogger(__name__)
@@ -124,8 +124,8 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         self._mover_key: tuple = ()
         self.store_stream: Any = None
         self.load_stream: Any = None
-        #: (storage address, bytes, dtype) -> a flat view over that whole storage (`_host_region`)
-        self._host_views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        #: (storage address, bytes) -> a flat view of the KV dtype over that whole storage (`_host_region`)
+        self._host_views: dict[tuple[int, int], torch.Tensor] = {}
 
     @classmethod
     def from_metadata(
@@ -229,29 +229,28 @@ class PageFirstGPUConnector(GPUConnectorInterface):
     MAX_HOST_VIEWS = 8
 
     def _host_region(self, obj: MemoryObj) -> torch.Tensor:
-        """A chunk (loaded or stored) as a flat tensor of the KV dtype: a slice of a kept flat view over the storage it lives
-        in. `MemoryObj.tensor` builds three views and the reshape a fourth, and each view call releases the GIL:
-        on a busy engine (another thread wants the GIL) every release costs the transfer thread up to the switch
-        interval, so four of them per chunk made a 32-chunk load last seconds (`benchmarks/load_gil.py`)."""
+        """A chunk (loaded or stored) as a flat tensor of the KV dtype: a slice of a kept flat view over the
+        storage it lives in. `MemoryObj.tensor` builds three views and the reshape a fourth, and each view call
+        releases the GIL: on a busy engine (another thread wants the GIL) every release costs the transfer thread
+        up to the switch interval, so four of them per chunk made a 32-chunk load last seconds
+        (`benchmarks/load_gil.py`)."""
         if not isinstance(obj, TensorMemoryObj):
             return _flat(obj)
         if not obj.is_valid():
             raise PageFormatMismatch("memory object has no tensor (invalidated?)")
         raw = obj.raw_data
-        dtype = self.pages.dtype
         storage = raw.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes(), dtype)
+        key = (storage.data_ptr(), storage.nbytes())
         base = self._host_views.get(key)
         if base is None:
             if len(self._host_views) >= self.MAX_HOST_VIEWS:
                 self._host_views.clear()
-            n = storage.nbytes() // dtype.itemsize
-            base = self._host_views[key] = torch.empty(0, dtype=dtype, device=raw.device).set_(storage, 0, (n,), (1,))
-        offset, size = obj.data_ptr - storage.data_ptr(), obj.get_size()
-        if offset % dtype.itemsize or size % dtype.itemsize:
+            base = self._host_views[key] = _flat_storage(raw, self.pages.dtype)
+        esize = base.element_size()
+        offset, size = obj.data_ptr - key[0], obj.get_size()
+        if offset % esize or size % esize:
             return _flat(obj)
-        first = offset // dtype.itemsize
-        return base[first:first + size // dtype.itemsize]
+        return base[offset // esize:(offset + size) // esize]
 
     @staticmethod
     def _flat_objs(memory_objs: Sequence[Any]) -> List[MemoryObj]:
