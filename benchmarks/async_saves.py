@@ -24,8 +24,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from kvtier.tools.lmcache_yaml import write_lmcache_yaml
-from kvtier.tools.vllm_engine import EngineProcess, tiny_llama
+from kvtier.testing.lmcache_yaml import write_lmcache_yaml
+from kvtier.testing.vllm_engine import EngineProcess, tiny_llama
 
 #: a somewhat larger random Llama than the tests' (4 layers of 256): the engine step has work to hide saves behind
 MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4}

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtier.tools.host_memory import anon_huge_mib, drop_page_cache, huge_page_buffer
+from kvtier.testing.host_memory import anon_huge_mib, drop_page_cache, huge_page_buffer
 
 MIB = 1 << 20
 CHUNK = 32 * MIB

@@ -16,7 +16,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from kvtier.storage_backends.posix_io import aligned_buffer, open_file
+from kvtier.storage_backends.ssd.posix_io import aligned_buffer, open_file
 
 BLOCK = 32 << 20
 THREADS = 4

@@ -36,8 +36,8 @@ import numpy as np
 
 from kvtier.storage_backends.eviction.answer_length import AnswerLengthPolicy
 from kvtier.storage_backends.eviction.return_model import fit_logistic
-from kvtier.tools.replay import ReplayClock, build_policy, host_key_sequence, parse_capacity, simulate
-from kvtier.tools.traces import TraceRequest, read_trace, unique_blocks
+from kvtier.replay.runner import ReplayClock, build_policy, host_key_sequence, parse_capacity, simulate
+from kvtier.replay.traces import TraceRequest, read_trace, unique_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = next((p for p in (REPO.parent / "shared" / "traces", REPO.parent.parent / "shared" / "traces")

@@ -12,7 +12,7 @@ Splits of the conversation trace (printed with every table):
 - held-out, cold: the second 15 minutes replayed alone, from an empty cache and untrained policy.
 - tuning half (for reference only, never a target): the first 15 minutes, hits counted from t >= 450 s.
 Policies: kvtier's baselines, answer-length, Belady (offline optimum), and vLLM's own CPU-offload manager with its
-LRU and ARC policies, with and without its store_threshold=2 admission filter (vllm-*, `kvtier.tools.vllm_offload`;
+LRU and ARC policies, with and without its store_threshold=2 admission filter (vllm-*, `kvtier.replay.vllm_offload`;
 run in this interpreter when it has vLLM's kv_offload, else with ../.venv-cuda/bin/python when that exists).
 Then the Poisson trace (no reading gaps: answer-length must stay within 1 point of the best baseline), the ablation
 on the held-out split, and the cost: mean CPU time per access over whole replays (answer-length vs LRU, the median
@@ -36,9 +36,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.tools import vllm_offload
-from kvtier.tools.replay import ReplayClock, build_policy, parse_capacity, replay_one
-from kvtier.tools.traces import read_trace, unique_blocks
+from kvtier.replay import vllm_offload
+from kvtier.replay.runner import ReplayClock, build_policy, parse_capacity, replay_one
+from kvtier.replay.traces import read_trace, unique_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = next((p for p in (REPO.parent / "shared" / "traces", REPO.parent.parent / "shared" / "traces")
@@ -229,7 +229,7 @@ def measure_cost(policy_name: str, n_chunks: int = 100_000, samples: int = 2000)
 def memory_check(path: str, cap: str = "0.05") -> dict:
     """Replay the whole conversation trace with answer-length and report its bounded state against its bounds."""
     from kvtier.storage_backends.eviction.answer_length import AnswerLengthConfig
-    from kvtier.tools.replay import simulate
+    from kvtier.replay.runner import simulate
 
     reqs = list(_requests(path, None))
     c = parse_capacity(cap, unique_blocks(reqs))

@@ -16,8 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
-from kvtier.tools.replay import parse_capacity, replay_one
-from kvtier.tools.traces import read_trace, unique_blocks
+from kvtier.replay.runner import parse_capacity, replay_one
+from kvtier.replay.traces import read_trace, unique_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 #: a checkout beside ../shared, or a worktree one level further down (as in eviction_replay.py)

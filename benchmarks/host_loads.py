@@ -38,7 +38,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from kvtier.tools.vllm_engine import tiny_llama
+from kvtier.testing.vllm_engine import tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -29,9 +29,9 @@ def main() -> int:
 
     import torch
 
-    from kvtier.storage_backends.kvikio_io import kvikio_status
+    from kvtier.storage_backends.ssd.kvikio_io import kvikio_status
     from kvtier.storage_backends.config import parse_kvtier_config
-    from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
+    from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
 
     ok, why = kvikio_status()
     if not ok or not torch.cuda.is_available():

@@ -44,7 +44,7 @@ os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from kvtier.tools.host_memory import drop_page_cache  # noqa: E402
+from kvtier.testing.host_memory import drop_page_cache  # noqa: E402
 
 CHUNK_SHAPE = torch.Size([2, 32, 256, 1024])  # Llama-3-8B, 256 tokens: K/V x layers x tokens x kv heads*dim
 CHUNK_BYTES = CHUNK_SHAPE.numel() * 2  # bf16: 32 MiB
@@ -65,7 +65,7 @@ def fs_type(path: str) -> str:
 
 def adapter_specs(root: str, cap_gb: float, kvtier_params: dict | None = None,
                   prepared: bool = False) -> dict[str, dict]:
-    from kvtier.tools.lmcache_mp import kvtier_adapter_spec
+    from kvtier.testing.lmcache_mp import kvtier_adapter_spec
 
     mine = {KVTIER: kvtier_adapter_spec(os.path.join(root, "kvtier"), cap_gb, **(kvtier_params or {}))}
     if prepared:  # one warm-up chunk opens its tier; timing starts once its slot files are prepared (untimed)

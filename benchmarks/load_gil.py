@@ -44,7 +44,7 @@ def _engine(chunk: int, page: int, blocks: int, block_size: int):
     from lmcache.v1.metadata import LMCacheMetadata
 
     from kvtier.kernels import KVLayoutKind, vllm_cache_shape
-    from kvtier.kernels.lmcache_connector import PageFirstGPUConnector
+    from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
 
     kind = KVLayoutKind.SPLIT_TOKEN_DIM
     caches = [torch.randn(vllm_cache_shape(kind, blocks, block_size, HEADS, HEAD_DIM)) for _ in range(LAYERS)]

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtier.tools.host_memory import drop_page_cache, huge_page_buffer
+from kvtier.testing.host_memory import drop_page_cache, huge_page_buffer
 
 MIB = 1 << 20
 CHUNK = 32 * MIB
@@ -38,13 +38,13 @@ BATCH = 8
 def child(args) -> int:
     """One process: build the tier, store, then time the readers; prints a JSON line of GB/s lists."""
     if args.no_checksum:
-        import kvtier.storage_backends.ssd_io as ssd_io
+        import kvtier.storage_backends.ssd.slot_io as ssd_io
 
         ssd_io.checksum = lambda data: 0  # probe only: the cost of everything but the checksum
         ssd_io.combine_checksums = lambda parts: 0
     from kvtier.storage_backends.config import parse_kvtier_config
-    from kvtier.storage_backends.ssd_index import ChunkMeta
-    from kvtier.storage_backends.ssd_tier import SSDTier
+    from kvtier.storage_backends.ssd.index import ChunkMeta
+    from kvtier.storage_backends.ssd.tier import SSDTier
 
     extra = {"kvtier.ssd_path": args.tier_dir, "kvtier.ssd_capacity_gb": args.chunks * 33 / 1024 + 0.1}
     for kv in args.kvtier:

@@ -13,7 +13,7 @@ shared-prefix workload, and the per-step decision cost.
    `fcfs+prefetch` and `recompute` in the same run: kvtier's best scheduler's mean queueing <= 0.6x, P99 TTFT
    <= 1.0x, nothing starves (its longest queueing time is no longer than the longest under the fair baselines,
    which serve strictly by arrival), completed counts equal.
-2. Shared-prefix workload (`kvtier.tools.workloads`, seeded; task rate chosen so that `fcfs` keeps the GPU 85%
+2. Shared-prefix workload (`kvtier.sim.workloads`, seeded; task rate chosen so that `fcfs` keeps the GPU 85%
    busy, the 1 s fan-out window unscaled): delay-hit avoidance must cut recomputed tokens by >= 30% against the
    same dual-queue scheduler without it, on every reported seed (also reported: `+delay-hit+own-loads`, which
    also waits for a request's own issued read at an idle GPU instead of recomputing it, and `+eager-replan`, the
@@ -49,7 +49,7 @@ from kvtier.scheduler_hooks.dual_queue_policy import (
 from kvtier.scheduler_hooks.hint_derivation import Residency, derive_tier_hint
 from kvtier.scheduler_hooks.load_plan import PlanContext
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
-from kvtier.tools.simulate import (
+from kvtier.sim.simulate import (
     FAIR_BASELINES,
     SimConfig,
     SimResult,
@@ -164,7 +164,7 @@ def tune(reqs, base: SimConfig, loads: list[float]) -> dict:
 
 
 def shared_prefix(base: SimConfig, load: float, requests: int, tmp: Path, seed: int = 0) -> dict:
-    from kvtier.tools.workloads import SharedPrefixSpec, generate_shared_prefix, shared_prefix_stats
+    from kvtier.sim.workloads import SharedPrefixSpec, generate_shared_prefix, shared_prefix_stats
 
     def write(spec: SharedPrefixSpec):
         lines = generate_shared_prefix(spec)

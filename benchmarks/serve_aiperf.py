@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.demo_data import path as data_path
-from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN, build
-from kvtier.tools.serve_process import ServeProcess, free_port
+from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, build
+from kvtier.testing.serve_process import ServeProcess, free_port
 
 TRACE_BLOCK = 512  # tokens per Mooncake hash id
 TOKENIZER_REPO = "local/kvtier-tiny"

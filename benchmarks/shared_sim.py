@@ -1,5 +1,5 @@
 """Benchmark of the shared tier at cluster scale (issue 13), simulated: N replicas behind a round-robin router, each
-with its own GPU queue, host tier and SSD tier, with and without one store shared by all (`kvtier.tools.sim_remote`).
+with its own GPU queue, host tier and SSD tier, with and without one store shared by all (`kvtier.sim.remote`).
 
     .venv/bin/python benchmarks/shared_sim.py /work/shared/traces/mooncake_conversation_first30min.jsonl \\
         [--replicas 2,4] [--load 0.85] [--json OUT]
@@ -27,8 +27,8 @@ import sys
 import time
 from dataclasses import replace
 
-from kvtier.tools.sim_remote import ClusterResult, RemoteConfig, run_cluster
-from kvtier.tools.simulate import SimConfig, calibrate_time_scale, load_trace
+from kvtier.sim.remote import ClusterResult, RemoteConfig, run_cluster
+from kvtier.sim.simulate import SimConfig, calibrate_time_scale, load_trace
 
 from kvtier.benchmarks.scheduler_sim import SPLIT_S, TUNED, policy_config  # the scheduling benchmark's tuned knobs
 

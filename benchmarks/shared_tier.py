@@ -7,7 +7,7 @@ kvtier's `SharedTier` over its remote backend. Per round (interleaved, so drift 
 - get: `SharedTier.read` of the N chunks into the host tier vs the SSD tier's `read` (page cache warm: the file
   was just written; the loopback Redis is also the best case of a network store).
 Reported: GB/s medians over rounds and the median of per-round ratios (shared / SSD). Then the third baseline,
-recompute, from the project's cost model (`kvtier.tools.cost_model`, profile `--profile`, default Llama-3-8B on
+recompute, from the project's cost model (`kvtier.sim.cost_model`, profile `--profile`, default Llama-3-8B on
 one H100: MODELLED, not measured on this machine, which has no GPU): the time to prefill one chunk of that model
 after `c` cached tokens (its marginal share of a longer prefill), against the time to read the same chunk's KV bytes at the measured shared-tier and SSD-tier
 get bandwidths (both are bandwidth-bound, so the measured GB/s carry over to that model's chunk size), as ratios
@@ -42,11 +42,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvtier.configs import path as config_path
-    from kvtier.storage_backends.shared_config import SharedTierOptions
-    from kvtier.storage_backends.shared_tier import attach_shared_tier
-    from kvtier.tools.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, \
+    from kvtier.storage_backends.shared.config import SharedTierOptions
+    from kvtier.storage_backends.shared.tier import attach_shared_tier
+    from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, \
         load_lmcache_config
-    from kvtier.tools.redis_server import RedisServer
+    from kvtier.testing.redis_server import RedisServer
 
     shape = ModelShape("bench/llama-like", num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     chunk = 256
@@ -111,7 +111,7 @@ def main() -> None:
 
 def recompute_baseline(profile: str, contexts: list[int], chunk: int, get_gbps: dict[str, float]) -> None:
     """Print load / recompute ratios for one chunk of the cost model's model (recompute modelled, loads measured)."""
-    from kvtier.tools.cost_model import get_profile
+    from kvtier.sim.cost_model import get_profile
 
     prof = get_profile(profile)
     cbytes = prof.kv_bytes_per_token * chunk

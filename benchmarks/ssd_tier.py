@@ -51,22 +51,22 @@ else:
 
 import torch  # noqa: E402
 
-from kvtier.storage_backends.posix_io import open_file, pread_full, pwrite_full  # noqa: E402
-from kvtier.tools.engine_factory import (  # noqa: E402
+from kvtier.storage_backends.ssd.posix_io import open_file, pread_full, pwrite_full  # noqa: E402
+from kvtier.testing.engine_factory import (  # noqa: E402
     ModelShape,
     build_engine,
     destroy_engine,
     kvtier_backend,
     load_lmcache_config,
 )
-from kvtier.tools.host_memory import anon_huge_mib, drop_page_cache, huge_page_buffer  # noqa: E402
+from kvtier.testing.host_memory import anon_huge_mib, drop_page_cache, huge_page_buffer  # noqa: E402
 
 LLAMA3_8B = ModelShape("bench/llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
 
 def host_buffer(nbytes: int) -> memoryview:
     """A page-aligned buffer for the raw readers and writers, in transparent huge pages unless --no-thp, like the
-    engines' host pools (see the module docstring and `kvtier.tools.host_memory`)."""
+    engines' host pools (see the module docstring and `kvtier.testing.host_memory`)."""
     return huge_page_buffer(nbytes, huge=os.environ.get("THP_MEM_ALLOC_ENABLE") == "1")
 
 
@@ -170,9 +170,9 @@ def wait_local_disk(engine) -> None:
 
 def rebuild_time(tmp: str, slots: int = 100_000) -> float:
     from kvtier.storage_backends.config import parse_kvtier_config
-    from kvtier.storage_backends.journal import Journal
-    from kvtier.storage_backends.slot_format import CommitRecord
-    from kvtier.storage_backends.ssd_tier import SSDTier
+    from kvtier.storage_backends.ssd.journal import Journal
+    from kvtier.storage_backends.ssd.slot_format import CommitRecord
+    from kvtier.storage_backends.ssd.tier import SSDTier
 
     d = os.path.join(tmp, "rebuild")
     cfg = parse_kvtier_config({"kvtier.ssd_path": d, "kvtier.ssd_capacity_gb": slots * 8192 / (1 << 30) + 0.01,

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtier.tools.host_memory import huge_page_buffer
+from kvtier.testing.host_memory import huge_page_buffer
 
 MIB = 1 << 20
 CHUNK = 32 * MIB
@@ -77,8 +77,8 @@ def main() -> int:
     root = os.path.join(args.dir, f"write-path-{os.getpid()}")
     os.makedirs(root)
     from kvtier.storage_backends.config import parse_kvtier_config
-    from kvtier.storage_backends.ssd_index import ChunkMeta
-    from kvtier.storage_backends.ssd_tier import SSDTier
+    from kvtier.storage_backends.ssd.index import ChunkMeta
+    from kvtier.storage_backends.ssd.tier import SSDTier
 
     try:
         srcs = {kind: source(TOTAL, kind, i) for i, kind in enumerate(("4k", "huge"))}

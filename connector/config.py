@@ -159,7 +159,7 @@ def load_connector_config(extra: Mapping[str, Any] | None, block_size: int, *, p
         raise ConfigError("kv_connector_extra_config.config_file is missing: name the LMCache YAML with the kvtier "
                           "plugin, e.g. {\"config_file\": \"configs/lmcache-kvtier.yaml\"}")
     path = _resolve_file(str(extra["config_file"]))
-    from kvtier.storage_backends.lmcache_backend import load_lmcache_config
+    from kvtier.storage_backends.lmcache.backend import load_lmcache_config
 
     try:
         lmc = load_lmcache_config(path)
@@ -199,7 +199,7 @@ def load_connector_config(extra: Mapping[str, Any] | None, block_size: int, *, p
         raise ConfigError(f"LMCache chunk_size {chunk} is not a multiple of kvtier.page_tokens {kv.page_tokens}; "
                           f"use a chunk_size that is a multiple of {kv.page_tokens}")
     if prepare_dir:
-        from kvtier.storage_backends.ssd_directory import prepare_directory
+        from kvtier.storage_backends.ssd.directory import prepare_directory
 
         prepare_directory(kv.ssd_path)
     # The merged keys are what LMCache hands the plugin's constructor.
@@ -230,7 +230,7 @@ def check_scheduler_keys(raw: Any) -> None:
 
 def _shared_options(path: str, lmc: Any, ec: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
     """`kvtier.shared` (inline keys win over the YAML's) when the LMCache config names a remote store."""
-    from kvtier.storage_backends.shared_config import SHARED_KEY, SharedTierOptions, remote_configured
+    from kvtier.storage_backends.shared.config import SHARED_KEY, SharedTierOptions, remote_configured
 
     raw = extra.get(SHARED_KEY, ec.get(SHARED_KEY))
     if not remote_configured(lmc):

@@ -18,7 +18,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvtier.connector import metrics_export
-from kvtier.metrics_core import counter, gauge, histogram
+from kvtier.telemetry.series import counter, gauge, histogram
 
 
 def kvtier_samples() -> dict[str, float]:

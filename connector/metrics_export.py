@@ -6,7 +6,7 @@ without help the API server shows kvtier's series at zero. vLLM 0.32/0.33 share 
 two ways, and kvtier uses whichever the server runs with:
 
 - **Default set-up** (no `PROMETHEUS_MULTIPROC_DIR`, one API server): each engine-side process's `Exporter`
-  puts the changes of its `kvtier_*` samples since its previous export (`kvtier.metrics_core`) into the
+  puts the changes of its `kvtier_*` samples since its previous export (`kvtier.telemetry.series`) into the
   connector's stats
   (`get_kv_connector_stats`, every engine step, both roles); vLLM carries them to the API server with the step's
   scheduler stats and hands them to the connector's `build_prom_metrics` object there, which feeds a `Mirror`.
@@ -36,7 +36,7 @@ from typing import Any, Iterable
 from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import Metric
 
-from kvtier import metrics_core
+from kvtier.telemetry import series as metrics_core
 
 #: family types whose samples only grow (sent as changes); gauges are sent as their latest value
 _MONOTONIC_TYPES = ("counter", "histogram", "summary")

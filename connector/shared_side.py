@@ -1,4 +1,4 @@
-"""The worker side's use of the shared tier (`kvtier.storage_backends.shared_tier.SharedTier`), kept apart from
+"""The worker side's use of the shared tier (`kvtier.storage_backends.shared.tier.SharedTier`), kept apart from
 the rest of the worker: lookups of the chunks the local tiers lack, reads into the host tier for a prefetch, and
 the shared writes of saved chunks.
 
@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from kvtier.storage_backends.shared_tier import SharedTier
+from kvtier.storage_backends.shared.tier import SharedTier
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from kvtier.connector.messages import (
 )
 from kvtier.connector.rpc import RPCServer, endpoint
 from kvtier.connector.transfers import StreamFence, TransferJob, TransferQueue
-from kvtier.storage_backends import session_signals
+from kvtier.storage_backends.eviction import session_signals
 from kvtier.storage_backends.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -169,8 +169,8 @@ class WorkerSide:
         from lmcache.v1.metadata import LMCacheMetadata
 
         from kvtier.kernels.layout import KVLayoutKind, LayoutError
-        from kvtier.kernels.lmcache_connector import PageFirstGPUConnector
-        from kvtier.storage_backends.lmcache_backend import kvtier_backend
+        from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
+        from kvtier.storage_backends.lmcache.backend import kvtier_backend
 
         try:
             from vllm.model_executor.models.utils import extract_layer_index
@@ -229,8 +229,8 @@ class WorkerSide:
 
     def _attach_shared(self, md: Any, heads: int, head_dim: int) -> Any:
         from kvtier.connector.shared_side import SharedSide
-        from kvtier.storage_backends.lmcache_backend import expected_layout
-        from kvtier.storage_backends.shared_tier import attach_shared_tier
+        from kvtier.storage_backends.lmcache.backend import expected_layout
+        from kvtier.storage_backends.shared.tier import attach_shared_tier
 
         # the shared keys name kvtier's chunk layout: engines of another page size, chunk size or KV geometry (or
         # another model: LMCache's key names it) never read these chunks

@@ -108,7 +108,7 @@ mkdir -p "$ROOT/.kvtier-import"
 if [ "$which_env" = main ]; then
   printf '#!%s
 import sys
-from kvtier.serve import vllm_main
+from kvtier.cli.serve import vllm_main
 sys.exit(vllm_main())
 ' "$env_dir/bin/python" \
     > "$env_dir/bin/vllm"

@@ -7,7 +7,7 @@
 #                           their run unless --keep-envs (or KVTIER_KEEP_ENVS=1)
 #        --matrix none      step 1 only
 #   3. the compatibility table: per-test reports in out/compat/, folded into compat/results.json and README's
-#      table by tools/compat_table.py
+#      table by compat/table.py
 # Prints one "N passed, N failed, N skipped" line at the end (CI reads it). Other arguments go to the main run's
 # pytest (e.g. scripts/test.sh -k ssd).
 set -uo pipefail
@@ -67,7 +67,7 @@ for id in $ids; do
 done
 
 if [ ${#args[@]} -eq 0 ]; then
-  python3 tools/compat_table.py "$out"/*.json > "$out/table.md" || echo "the compatibility table could not be updated" >&2
+  python3 compat/table.py "$out"/*.json > "$out/table.md" || echo "the compatibility table could not be updated" >&2
 else  # a selection (-k, paths) is not the matrix: the committed results and README table stay as they are
   echo "== test selection given (${args[*]}): compat/results.json and README's table left unchanged"
 fi

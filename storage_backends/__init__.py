@@ -10,10 +10,10 @@ Public classes, imported lazily (the policies and the replay tools work without 
 __all__ = ["ChunkMeta", "KVTierBackend", "SSDTier", "SlotIndex"]
 
 _WHERE = {
-    "KVTierBackend": "kvtier.storage_backends.lmcache_backend",
-    "SSDTier": "kvtier.storage_backends.ssd_tier",
-    "ChunkMeta": "kvtier.storage_backends.ssd_index",
-    "SlotIndex": "kvtier.storage_backends.ssd_index",
+    "KVTierBackend": "kvtier.storage_backends.lmcache.backend",
+    "SSDTier": "kvtier.storage_backends.ssd.tier",
+    "ChunkMeta": "kvtier.storage_backends.ssd.index",
+    "SlotIndex": "kvtier.storage_backends.ssd.index",
 }
 
 

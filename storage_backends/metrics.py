@@ -1,9 +1,9 @@
 """Prometheus metrics of kvtier's storage side (process-wide; per-tier exact counts live in `TierStats`); declared
-through `kvtier.metrics_core`, so vLLM's API server can show them (`kvtier.connector.metrics_export`)."""
+through `kvtier.telemetry.series`, so vLLM's API server can show them (`kvtier.connector.metrics_export`)."""
 
 from __future__ import annotations
 
-from kvtier.metrics_core import counter, gauge, histogram
+from kvtier.telemetry.series import counter, gauge, histogram
 
 SSD_PUTS = counter("kvtier_ssd_puts_total", "Chunks committed to the SSD tier")
 SSD_DROPPED = counter("kvtier_ssd_dropped_puts_total", "Chunks not stored on the SSD tier", ["reason"])

@@ -3,7 +3,7 @@
 Also the compatibility matrix's hooks: `@pytest.mark.needs("feature", ...)` skips a test (with the reason) where
 the installed stack lacks a feature (`kvtier.compat.features`), and with `KVTIER_COMPAT_REPORT=FILE` every test's
 outcome, `compat`/`needs` markers and skip reason go to FILE (JSON) for the compatibility table
-(`tools/compat_table.py`).
+(`compat/table.py`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def tier_config(tmp_path):
 @pytest.fixture
 def lmcache_yaml(tmp_path):
     """Factory: a shipped LMCache YAML (`configs/lmcache-kvtier.yaml`, or `base`) with its SSD path (tmp_path/ssd,
-    or `ssd`), chunk size, host pool and SSD capacity replaced (`kvtier.tools.lmcache_yaml`); keyword arguments
+    or `ssd`), chunk size, host pool and SSD capacity replaced (`kvtier.testing.lmcache_yaml`); keyword arguments
     add `kvtier.<key>` lines, `lmcache_lines` raw lines."""
-    from kvtier.tools.lmcache_yaml import write_lmcache_yaml
+    from kvtier.testing.lmcache_yaml import write_lmcache_yaml
 
     made: list[None] = []
 
@@ -56,10 +56,10 @@ def lmcache_yaml(tmp_path):
 
 @pytest.fixture
 def lmcache_engines():
-    """Factory: a real LMCacheEngine from a YAML path (`kvtier.tools.engine_factory`, the tiny test model unless
+    """Factory: a real LMCacheEngine from a YAML path (`kvtier.testing.engine_factory`, the tiny test model unless
     `shape` is given; other keywords go to `post_init`), closed at teardown (remote backends detached first:
     LMCache 0.5.6's own close of a redis:// backend never returns)."""
-    from kvtier.tools.engine_factory import TINY, build_engine, destroy_engine, load_lmcache_config
+    from kvtier.testing.engine_factory import TINY, build_engine, destroy_engine, load_lmcache_config
 
     made = []
 
@@ -69,7 +69,7 @@ def lmcache_engines():
         return e
 
     yield make
-    from kvtier.storage_backends.shared_tier import detach_remote_backends
+    from kvtier.storage_backends.shared.tier import detach_remote_backends
 
     for e in made:
         detach_remote_backends(e)
@@ -78,8 +78,8 @@ def lmcache_engines():
 
 @pytest.fixture
 def ssd():
-    """Helpers for SSD-tier tests (`kvtier.tools.ssd_testing`)."""
-    from kvtier.tools import ssd_testing
+    """Helpers for SSD-tier tests (`kvtier.testing.ssd`)."""
+    from kvtier.testing import ssd as ssd_testing
 
     return ssd_testing
 

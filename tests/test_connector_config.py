@@ -262,7 +262,7 @@ def test_check_config_validates_a_vllm_kv_transfer_json(lmcache_yaml, tmp_path):
     a wrong scheduler key, connector name or extra key is an error naming it."""
     import json
 
-    from kvtier.storage_backends.check_config import check
+    from kvtier.cli.check_config import check
 
     shipped = json.loads((Path(C.__file__).resolve().parent.parent / "configs" / "vllm-kv-transfer.json").read_text())
     shipped["kv_connector_extra_config"]["kvtier.ssd_path"] = str(tmp_path / "ssd")

@@ -33,7 +33,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier.tests.test_connector_vllm import kv_config, lmcache_yaml  # noqa: E402
-from kvtier.tools.vllm_engine import ENGINE_ENV, tiny_llama  # noqa: E402
+from kvtier.testing.vllm_engine import ENGINE_ENV, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -23,15 +23,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.tools.lmcache_yaml import write_lmcache_yaml  # noqa: E402
-from kvtier.tools.vllm_engine import EngineProcess, run_conversations, tiny_llama  # noqa: E402
+from kvtier.testing.lmcache_yaml import write_lmcache_yaml  # noqa: E402
+from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 CHUNK = 32
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 32 * 4  # K/V x layers x tokens x kv heads x head dim x fp32
 
-#: the engines' settings (besides `kvtier.tools.vllm_engine.LLM_DEFAULTS`: block size 32, float32, eager, ...)
+#: the engines' settings (besides `kvtier.testing.vllm_engine.LLM_DEFAULTS`: block size 32, float32, eager, ...)
 LLM_KW = {"max_model_len": 1024, "max_num_seqs": 4, "disable_log_stats": False}
 
 

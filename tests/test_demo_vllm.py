@@ -54,7 +54,7 @@ def test_an_engine_run_leaves_no_process_behind(tmp_path):
     after a start timeout)."""
     import time
 
-    from kvtier.tools.vllm_engine import end_process_group
+    from kvtier.testing.vllm_engine import end_process_group
 
     pid_file = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time\n"
@@ -83,7 +83,7 @@ def test_an_engine_run_leaves_no_process_behind(tmp_path):
 
 
 def _run_result(name: str, ttfts: dict[tuple[int, int], float]):
-    from kvtier.demo_vllm import RunResult
+    from kvtier.cli.demo_vllm import RunResult
 
     reqs = [{"conv": c, "turn": t, "ttft": v, "prompt_len": 100, "gpu_hit": 0, "host_hit": 0, "ssd_hit": 0,
              "tokens": [1, 2]} for (c, t), v in ttfts.items()]
@@ -93,7 +93,7 @@ def _run_result(name: str, ttfts: dict[tuple[int, int], float]):
 def test_demo_says_slower_when_kvtier_is_slower(capsys):
     """The summary line names the direction: a run where kvtier's follow-ups are slower says "slower", never
     "0.54x faster"; `--repeat` prints the spread over runs and counts the runs that were slower."""
-    from kvtier.demo_vllm import FollowUps, Turn, _print_spread, _report
+    from kvtier.cli.demo_vllm import FollowUps, Turn, _print_spread, _report
 
     turns = [Turn(c, c, t, 0, [], 2, 0) for c in range(2) for t in (1, 2, 3)]
     base = _run_result("vLLM, no connector", {(c, t): 0.2 for c in range(2) for t in (1, 2, 3)})

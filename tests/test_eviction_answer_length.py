@@ -14,8 +14,8 @@ from kvtier.storage_backends.eviction.answer_length import AnswerLengthConfig, A
 from kvtier.storage_backends.eviction.ghost_cache import GhostBelady, ReuseBuckets, key_hash, key_sample
 from kvtier.storage_backends.eviction.reuse_model import ReuseModel
 from kvtier.storage_backends.eviction.sessions import SessionTracker
-from kvtier.tools.replay import ReplayClock, simulate
-from kvtier.tools.traces import TraceRequest
+from kvtier.replay.runner import ReplayClock, simulate
+from kvtier.replay.traces import TraceRequest
 
 BUCKETS = ReuseBuckets((2.0, 10.0, 50.0, 250.0))
 

@@ -1,11 +1,11 @@
-"""The Belady-loss breakdown tool (`kvtier.tools.eviction_loss`): exact categories on a handcrafted trace, and
+"""The Belady-loss breakdown tool (`kvtier.replay.eviction_loss`): exact categories on a handcrafted trace, and
 per-policy hit counts that are the replay's own (`replay.simulate`)."""
 
 from __future__ import annotations
 
-from kvtier.tools.eviction_loss import GAP_EDGES, Category, breakdown, categories, format_breakdown, host_hits
-from kvtier.tools.replay import ReplayClock, build_policy, simulate
-from kvtier.tools.traces import TraceRequest
+from kvtier.replay.eviction_loss import GAP_EDGES, Category, breakdown, categories, format_breakdown, host_hits
+from kvtier.replay.runner import ReplayClock, build_policy, simulate
+from kvtier.replay.traces import TraceRequest
 
 
 def _trace(events):

@@ -10,8 +10,8 @@ import pytest
 
 from kvtier.storage_backends.eviction import make_policy
 from kvtier.storage_backends.eviction.return_model import ReturnModel
-from kvtier.tools.replay import ReplayClock, simulate
-from kvtier.tools.traces import TraceRequest
+from kvtier.replay.runner import ReplayClock, simulate
+from kvtier.replay.traces import TraceRequest
 
 
 def _x(answer: int = 100, gap: float = 30.0, depth: int = 2, new: int = 3, chain: int = 10) -> tuple[float, ...]:

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtier.tools.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, load_lmcache_config
+from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, load_lmcache_config
 
 CHUNK = 16
 SHAPE = ModelShape("kvtier-test/pool", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
@@ -73,7 +73,7 @@ def test_exhaustion_counted_logged_once_and_lmcache_noise_filtered(engine, caplo
     host = e.storage_manager.storage_backends["LocalCPUBackend"]
     _pin_chunks(e, b, 12, 0)  # 12 of 16 chunks pinned
     before = _sample("kvtier_host_pool_exhausted_total", op="store")
-    caplog.set_level(logging.WARNING, logger="kvtier.storage_backends.host_pool")
+    caplog.set_level(logging.WARNING, logger="kvtier.storage_backends.lmcache.host_pool")
     stored = []
     for s in (1, 2):  # two stores of 8 chunks: 4 free slots, then nothing evictable
         tokens = torch.arange(s * 10_000, s * 10_000 + 8 * CHUNK)

@@ -24,7 +24,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
 from kvtier.kernels import KVLayoutKind, canonical_view, vllm_cache_shape  # noqa: E402
 from kvtier.kernels.layout import bits_dtype  # noqa: E402
-from kvtier.kernels.lmcache_connector import (  # noqa: E402
+from kvtier.storage_backends.lmcache.gpu_connector import (  # noqa: E402
     PAGE_FIRST_FMT,
     ChunkFormat,
     PageFirstGPUConnector,

@@ -28,7 +28,7 @@ from lmcache.v1.distributed.memory_manager.l1_memory_manager import L1MemoryMana
 from lmcache.v1.platform import consume_fd
 
 from kvtier.storage_backends.config import ConfigError
-from kvtier.storage_backends.lmcache_mp_adapter import (
+from kvtier.storage_backends.lmcache.mp_adapter import (
     SUBDIR,
     KVTierL2Adapter,
     key_string,
@@ -174,7 +174,7 @@ def test_bad_adapter_params_fail_naming_the_key(tmp_path, params, key):
 
 
 def test_missing_path_and_capacity_fail(tmp_path):
-    cfg = PluginL2AdapterConfig.from_dict({"module_path": "kvtier.storage_backends.lmcache_mp_adapter",
+    cfg = PluginL2AdapterConfig.from_dict({"module_path": "kvtier.storage_backends.lmcache.mp_adapter",
                                            "class_name": "KVTierL2Adapter", "adapter_params": {}})
     with pytest.raises(ConfigError, match=r"adapter_params\.ssd_path, adapter_params\.ssd_capacity_gb"):
         create_l2_adapter(cfg)
@@ -393,7 +393,7 @@ def test_two_controller_threads_at_once(adapters, l1):
 
 
 def test_check_config_accepts_the_shipped_json_and_names_bad_keys(tmp_path):
-    from kvtier.storage_backends.check_config import check
+    from kvtier.cli.check_config import check
 
     good = tmp_path / "l2.json"
     good.write_text((open(os.path.join(REPO, "configs", "lmcache-mp-l2-kvtier.json")).read()

@@ -23,8 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-from kvtier.tools.lmcache_mp import BenchClient, MPServer, kvtier_adapter_spec, lmcache_executable
-from kvtier.tools.vllm_engine import EngineProcess, run_conversations, tiny_llama
+from kvtier.testing.lmcache_mp import BenchClient, MPServer, kvtier_adapter_spec, lmcache_executable
+from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 2 * 2 * 256 * 2 * 64 * 4  # BenchClient's layout: K/V x 2 layers x 256 tokens x 2 heads x 64 x fp32
@@ -125,7 +125,7 @@ def _allocated(ssd: Path) -> int:
 def _flip_one_byte(ssd: Path, slot: int) -> int:
     """Flip one data byte of a committed slot; returns the chunk's position among the tier's 8 (in commit
     order: sequence 4's chunks, then sequence 5's), read from the slot header."""
-    from kvtier.storage_backends.slot_format import HEADER_SIZE, decode_header
+    from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE, decode_header
 
     [f] = (ssd / "lmcache-mp").glob("slots-*.dat")
     with open(f, "r+b") as fh:

@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.compat
 import torch
 
-from kvtier.tools.engine_factory import (
+from kvtier.testing.engine_factory import (
     TINY as SHAPE,
     ModelShape,
     build_engine,
@@ -110,7 +110,7 @@ def test_corrupt_chunk_is_recomputed_not_returned(engine_from):
 STORE_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.argv = sys.argv
-    from kvtier.tools.engine_factory import TINY, build_engine, destroy_engine, kvtier_backend, \\
+    from kvtier.testing.engine_factory import TINY, build_engine, destroy_engine, kvtier_backend, \\
         load_lmcache_config, random_kv
     e = build_engine(load_lmcache_config(sys.argv[1]), TINY)
     kv = random_kv(TINY, 160, seed=11)
@@ -249,7 +249,7 @@ def test_queue_room_comes_back_only_after_written_chunks_are_released(lmcache_ya
 
 
 def test_unknown_key_fails_plugin_construction_loudly_in_check_config(lmcache_yaml):
-    from kvtier.storage_backends.check_config import check
+    from kvtier.cli.check_config import check
     from kvtier.storage_backends.config import ConfigError
 
     with pytest.raises(ConfigError, match="did you mean kvtier.io_threads"):

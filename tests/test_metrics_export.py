@@ -1,4 +1,4 @@
-"""kvtier's series across processes (`kvtier.metrics_core`, `kvtier.connector.metrics_export`), both vLLM versions.
+"""kvtier's series across processes (`kvtier.telemetry.series`, `kvtier.connector.metrics_export`), both vLLM versions.
 
 An "engine" subprocess updates kvtier series at random (counters with labels, gauges, histograms, values on
 bucket bounds), exporting after each "step" as the connector does, and finally dumps what its own
@@ -70,7 +70,7 @@ def _exposed(mirror) -> dict:
 
 
 def test_mirror_shows_what_two_engine_processes_expose():
-    from kvtier import metrics_core
+    from kvtier.telemetry import series as metrics_core
     from kvtier.connector import metrics  # noqa: F401  (declares the connector's series here too)
     from kvtier.connector.metrics_export import Mirror
     from kvtier.storage_backends import metrics as storage_metrics  # noqa: F401

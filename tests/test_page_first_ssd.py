@@ -7,8 +7,8 @@ from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.metadata import LMCacheMetadata
 
 from kvtier.kernels import KVLayoutKind, vllm_cache_shape
-from kvtier.kernels.lmcache_connector import PageFirstGPUConnector
-from kvtier.tools.engine_factory import (
+from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
+from kvtier.testing.engine_factory import (
     ModelShape,
     build_engine,
     destroy_engine,

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.storage_backends import session_signals
-from kvtier.tools.engine_factory import ModelShape, build_engine, destroy_engine, load_lmcache_config
-from kvtier.storage_backends.slot_format import HEADER_SIZE
-from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
+from kvtier.storage_backends.eviction import session_signals
+from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, load_lmcache_config
+from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
+from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
 
 pytestmark = pytest.mark.compat
 CHUNK = 4096

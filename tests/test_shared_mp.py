@@ -17,8 +17,8 @@ import pytest
 pytestmark = pytest.mark.slow
 pytest.importorskip("redis")
 
-from kvtier.tools.lmcache_mp import BenchClient, MPServer, kvtier_adapter_spec  # noqa: E402
-from kvtier.tools.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.lmcache_mp import BenchClient, MPServer, kvtier_adapter_spec  # noqa: E402
+from kvtier.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 REDIS_PORT = 16331

@@ -32,9 +32,9 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
-from kvtier.tools.lmcache_mp import MPServer, kvtier_adapter_spec  # noqa: E402
-from kvtier.tools.redis_server import RedisServer, redis_server_binary  # noqa: E402
-from kvtier.tools.vllm_engine import EngineProcess, tiny_llama  # noqa: E402
+from kvtier.testing.lmcache_mp import MPServer, kvtier_adapter_spec  # noqa: E402
+from kvtier.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.vllm_engine import EngineProcess, tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 REDIS_PORT = 16411

@@ -71,7 +71,7 @@ def test_fcfs_prefetch_baseline_also_prefetches_remote_requests():
 def test_shipped_redis_config_checks_and_a_bad_shared_key_is_named(tmp_path):
     import pytest
 
-    from kvtier.storage_backends.check_config import check
+    from kvtier.cli.check_config import check
     from kvtier.storage_backends.config import ConfigError
 
     repo = __import__("pathlib").Path(__file__).resolve().parent.parent

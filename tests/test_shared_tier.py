@@ -1,4 +1,4 @@
-"""kvtier's shared tier over a real Redis server (`tools/redis_server.py`) and real in-process LMCache engines
+"""kvtier's shared tier over a real Redis server (`testing/redis_server.py`) and real in-process LMCache engines
 (LMCache's own remote backend, kvtier's SSD plugin): keys, layout checks, local-first order, store faults."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import torch
 pytest.importorskip("redis")
 
 from kvtier.storage_backends.config import ConfigError  # noqa: E402
-from kvtier.storage_backends.shared_config import SharedTierOptions  # noqa: E402
-from kvtier.storage_backends.shared_tier import (  # noqa: E402
+from kvtier.storage_backends.shared.config import SharedTierOptions  # noqa: E402
+from kvtier.storage_backends.shared.tier import (  # noqa: E402
     arrange_local_first,
     attach_shared_tier,
 )
-from kvtier.tools.engine_factory import TINY as SHAPE  # noqa: E402
-from kvtier.tools.engine_factory import ModelShape, kvtier_backend, random_kv  # noqa: E402
-from kvtier.tools.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.engine_factory import TINY as SHAPE  # noqa: E402
+from kvtier.testing.engine_factory import ModelShape, kvtier_backend, random_kv  # noqa: E402
+from kvtier.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
 
 CHUNK = 16
 PORT = 16321
@@ -181,7 +181,7 @@ def test_store_lost_mid_run_is_a_logged_counted_miss_and_used_again_once_back(re
         keys = keys_of(b, tokens)
         assert sa.submit_writes(keys_of(a, tokens)) == 4 and sa.flush(10)
         redis_server.kill()
-        with caplog.at_level(logging.WARNING, logger="kvtier.storage_backends.shared_health"):
+        with caplog.at_level(logging.WARNING, logger="kvtier.storage_backends.shared.health"):
             assert sb.read(keys) == [None] * 4
             assert not sb.up
             skipped = sb.health.counters.skipped
@@ -221,7 +221,7 @@ def test_writes_beyond_the_queue_bound_are_dropped_counted_and_logged_once_per_e
         obj.ref_count_down()
         room = (1 << 20) // size
         assert room < 300
-        log = "kvtier.storage_backends.shared_tier"
+        log = "kvtier.storage_backends.shared.tier"
         with caplog.at_level(logging.INFO, logger=log):
             assert sa.submit_writes(keys[:150]) == min(150, room)
             assert sa.submit_writes(keys[150:300]) == room - min(150, room)

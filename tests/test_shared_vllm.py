@@ -1,5 +1,5 @@
 """The tier shared by several engines, end to end: two real vLLM CPU engine processes with the kvtier connector and
-one real Redis server (`tools/redis_server.py`), configured from the shipped `configs/lmcache-kvtier-redis.yaml`.
+one real Redis server (`testing/redis_server.py`), configured from the shipped `configs/lmcache-kvtier-redis.yaml`.
 
 The engines (and a third one without a connector, the reference) stay up for the whole module and take prompts
 one step at a time over a pipe, so the test decides what runs where and when the store dies:
@@ -23,9 +23,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
-from kvtier.tools.lmcache_yaml import write_lmcache_yaml  # noqa: E402
-from kvtier.tools.redis_server import RedisServer, redis_server_binary  # noqa: E402
-from kvtier.tools.vllm_engine import EngineProcess, tiny_llama  # noqa: E402
+from kvtier.testing.lmcache_yaml import write_lmcache_yaml  # noqa: E402
+from kvtier.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.vllm_engine import EngineProcess, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
 class Engine(EngineProcess):
-    """One vLLM engine process (`kvtier.tools.vllm_engine`) taking prompts one batch at a time."""
+    """One vLLM engine process (`kvtier.testing.vllm_engine`) taking prompts one batch at a time."""
 
     def __init__(self, work: Path, name: str, model: Path, kv_transfer_config: dict | None = None) -> None:
         super().__init__(work, name, model, env=ENGINE_ENV, watchdog_s=1200, llm={

@@ -12,8 +12,8 @@ import zlib
 import numpy as np
 import pytest
 
-from kvtier.storage_backends.slot_format import HEADER_SIZE
-from kvtier.storage_backends.ssd_tier import SSDTier
+from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
+from kvtier.storage_backends.ssd.tier import SSDTier
 
 pytestmark = pytest.mark.compat
 

@@ -12,14 +12,14 @@ import time
 import numpy as np
 
 from kvtier.storage_backends.config import parse_kvtier_config
-from kvtier.storage_backends.ssd_tier import SSDTier
+from kvtier.storage_backends.ssd.tier import SSDTier
 
 CHUNK = 256 * 1024 + 512
 
 WRITER = textwrap.dedent("""
     import os, sys, numpy as np
     from kvtier.storage_backends.config import parse_kvtier_config
-    from kvtier.storage_backends.ssd_tier import ChunkMeta, SSDTier
+    from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
     cfg = parse_kvtier_config({"kvtier.ssd_path": sys.argv[1], "kvtier.ssd_capacity_gb": 0.02,
                                "kvtier.io_block_mb": 1})
     t = SSDTier(cfg, %d)

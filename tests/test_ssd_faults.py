@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from kvtier.storage_backends.config import ConfigError
-from kvtier.storage_backends.slot_format import HEADER_SIZE, SlotHeader, encode_header, segments
-from kvtier.storage_backends.ssd_tier import SSDTier
-from kvtier.tools.ssd_testing import frame, record_spans
+from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE, SlotHeader, encode_header, segments
+from kvtier.storage_backends.ssd.tier import SSDTier
+from kvtier.testing.ssd import frame, record_spans
 
 pytestmark = pytest.mark.compat
 
@@ -77,7 +77,7 @@ def test_same_key_from_two_threads_under_backpressure_is_stored_once(tier_config
 
 def test_a_key_committed_twice_frees_the_older_slot(tier_config, ssd):
     """Defence in depth: even if two writes of one key reach the index, the first slot is not leaked."""
-    from kvtier.storage_backends.ssd_index import ChunkMeta
+    from kvtier.storage_backends.ssd.index import ChunkMeta
 
     t = SSDTier(tier_config(ssd_capacity_gb=capacity_gb(3)), CHUNK)
     try:
@@ -308,7 +308,7 @@ def test_failed_journal_appends_drop_chunks_counted_and_logged_once(tier_config,
 
 
 def test_disk_full_freezes_then_capacity_comes_back_without_restart(tier_config, ssd, monkeypatch, caplog):
-    import kvtier.storage_backends.ssd_tier as mod
+    import kvtier.storage_backends.ssd.tier as mod
 
     monkeypatch.setattr(mod, "DISK_FULL_RETRY_S", 0.0)
     t = SSDTier(tier_config(ssd_capacity_gb=capacity_gb(100), grow_step_mb=1), CHUNK)
@@ -341,7 +341,7 @@ def test_disk_full_freezes_then_capacity_comes_back_without_restart(tier_config,
 
 # ---------------------------------------------------------------------------------------------------- defect 6
 def test_a_failing_chunk_never_fails_its_batch(tier_config, ssd, monkeypatch):
-    import kvtier.storage_backends.ssd_io as io_mod
+    import kvtier.storage_backends.ssd.slot_io as io_mod
 
     t = SSDTier(tier_config(ssd_capacity_gb=capacity_gb(8)), CHUNK)
     try:
@@ -457,7 +457,7 @@ def test_slot_holding_another_key_with_the_same_generation_is_a_miss(tier_config
         assert ssd.put(t, "a", data)
         e = t.index.get("a")
         hdr = bytearray(HEADER_SIZE)
-        from kvtier.storage_backends.slot_format import FORMAT_VERSION, checksum
+        from kvtier.storage_backends.ssd.slot_format import FORMAT_VERSION, checksum
 
         crcs = tuple(checksum(memoryview(data)[lo:hi]) for lo, hi in segments(CHUNK, t.seg))
         encode_header(SlotHeader(FORMAT_VERSION, "b", e.gen, CHUNK, (CHUNK,), "torch.uint8", "KV_2LTD", t.seg,

@@ -17,9 +17,9 @@ import msgspec
 import numpy as np
 
 from kvtier.storage_backends.config import parse_kvtier_config
-from kvtier.storage_backends.slot_format import HEADER_SIZE
-from kvtier.storage_backends.ssd_tier import SSDTier
-from kvtier.tools.ssd_testing import frame, record_spans
+from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
+from kvtier.storage_backends.ssd.tier import SSDTier
+from kvtier.testing.ssd import frame, record_spans
 
 CHUNK = 3 * 4096 + 77
 SLOTS = 40

@@ -16,11 +16,12 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.storage_backends import slot_files, ssd_tier
-from kvtier.storage_backends.posix_io import align_up
-from kvtier.storage_backends.slot_format import HEADER_SIZE
-from kvtier.storage_backends.ssd_tier import SSDTier
-from kvtier.tools import ssd_testing
+from kvtier.storage_backends.ssd import slot_files
+from kvtier.storage_backends.ssd import tier as ssd_tier
+from kvtier.storage_backends.ssd.posix_io import align_up
+from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
+from kvtier.storage_backends.ssd.tier import SSDTier
+from kvtier.testing import ssd as ssd_testing
 
 pytestmark = pytest.mark.compat
 

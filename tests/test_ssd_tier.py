@@ -13,8 +13,8 @@ import pytest
 pytestmark = pytest.mark.compat
 
 from kvtier.storage_backends.config import ConfigError
-from kvtier.storage_backends.ssd_tier import ChunkMeta, DirectoryInUse, SSDTier
-from kvtier.tools import ssd_testing
+from kvtier.storage_backends.ssd.tier import ChunkMeta, DirectoryInUse, SSDTier
+from kvtier.testing import ssd as ssd_testing
 
 CHUNK = 3 * 4096 + 100  # deliberately not a multiple of the 4 KiB block
 
@@ -109,8 +109,8 @@ def test_slots_written_with_zlib_crc_still_verify(tier_config, monkeypatch):
     a build using zlib) read back bit-exact, and a different CRC would be caught here as a miss."""
     import zlib
 
-    from kvtier.storage_backends import ssd_io
-    from kvtier.storage_backends.slot_format import checksum
+    from kvtier.storage_backends.ssd import slot_io as ssd_io
+    from kvtier.storage_backends.ssd.slot_format import checksum
 
     for n in (1, 4095, 4096, CHUNK, 1 << 20):
         buf = memoryview(payload(n))
@@ -156,7 +156,7 @@ def test_layout_mismatch_is_a_miss(tier_config):
 
 
 def test_lru_capacity_eviction_and_pins(tier_config):
-    from kvtier.storage_backends.slot_format import HEADER_SIZE
+    from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
 
     slot = HEADER_SIZE + 4 * 4096
     t = SSDTier(tier_config(ssd_capacity_gb=3 * slot / (1 << 30)), CHUNK)
@@ -181,7 +181,7 @@ def test_capacity_smaller_than_one_chunk(tier_config):
 
 
 def test_expired_pin_does_not_block_eviction(tier_config):
-    from kvtier.storage_backends.slot_format import HEADER_SIZE
+    from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
 
     t = SSDTier(tier_config(ssd_capacity_gb=(HEADER_SIZE + 4 * 4096) / (1 << 30), pin_timeout_s=0.0), CHUNK)
     try:
@@ -274,7 +274,7 @@ def test_unwritable_or_bad_paths(tier_config, tmp_path):
 
 
 def test_o_direct_refused_by_file_system_is_a_clear_error(tier_config, monkeypatch):
-    import kvtier.storage_backends.ssd_tier as mod
+    import kvtier.storage_backends.ssd.tier as mod
 
     def refuse(directory):
         raise OSError(errno.EINVAL, "Invalid argument")
@@ -333,8 +333,8 @@ def test_restart_drops_chunks_whose_slots_a_cut_file_no_longer_holds(tier_config
 
 def test_rebuild_of_many_slots(tier_config):
     """20k committed records rebuild into exactly 20k chunks (benchmarks/ssd_tier.py times 100k)."""
-    from kvtier.storage_backends.journal import Journal
-    from kvtier.storage_backends.slot_format import CommitRecord
+    from kvtier.storage_backends.ssd.journal import Journal
+    from kvtier.storage_backends.ssd.slot_format import CommitRecord
 
     cfg = tier_config(ssd_capacity_gb=20_000 * (4096 * 2) / (1 << 30) + 0.001, o_direct=False)
     t = SSDTier(cfg, 4096)
@@ -363,7 +363,7 @@ def test_bad_destination_is_a_miss_and_leaves_the_chunk_readable(tier):
 
 
 def test_files_never_grow_past_the_capacity(tier_config):
-    from kvtier.storage_backends.slot_format import HEADER_SIZE
+    from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
 
     slot = HEADER_SIZE + 4 * 4096
     t = SSDTier(tier_config(ssd_capacity_gb=5 * slot / (1 << 30), grow_step_mb=1024), CHUNK)

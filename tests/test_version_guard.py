@@ -117,7 +117,7 @@ def test_plugin_refuses_a_broken_lmcache_at_start(monkeypatch, tmp_path):
                                                           "kvtier.ssd_capacity_gb": 1})
     with pytest.raises(UnsupportedVersion, match="no storage plugin interface"):
         KVTierBackend(config=cfg, dst_device="cpu", metadata=None, local_cpu_backend=None, loop=None)
-    from kvtier.storage_backends.check_config import check
+    from kvtier.cli.check_config import check
     from kvtier.storage_backends.config import ConfigError
 
     yaml = tmp_path / "c.yaml"

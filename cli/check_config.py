@@ -1,0 +1,188 @@
+"""`kvtier check-config FILE`: load an LMCache config the way LMCache does and fail loudly on any kvtier problem.
+
+FILE is an LMCache YAML (the in-process storage plugin), the JSON of an `lmcache server --l2-adapter` spec (the
+multiprocess-mode L2 adapter, `configs/lmcache-mp-l2-kvtier.json`), or a vLLM `--kv-transfer-config` JSON naming
+kvtier's connector (`configs/vllm-kv-transfer.json`: its `kv_connector_extra_config`, the LMCache YAML it names,
+`kvtier.connector` and `kvtier.scheduler` keys, checked as the connector checks them at start).
+
+LMCache only logs a storage plugin's constructor error and runs without it, so a typo silently disables the SSD
+tier. This command parses the file with LMCache's own loader, validates every `kvtier.*` key (or every
+`adapter_params` key), checks that the plugin entries point at kvtier, runs the version guard
+(`kvtier.compat.guard`), and opens the SSD directory (creating it 0700; for the L2 adapter also an O_DIRECT
+probe) to prove it is usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="LMCache YAML file, or the JSON of an `lmcache server --l2-adapter` spec")
+
+
+def check(path: str) -> str:
+    """Validate `path`; returns a one-line summary or raises ConfigError."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such file")
+    with open(path) as f:
+        head = f.read(4096).lstrip()
+    if path.endswith(".json") or head.startswith("{"):
+        if '"kv_connector"' in head:
+            return check_vllm_json(path)
+        return check_l2_adapter(path)
+    from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+
+    try:
+        cfg = load_lmcache_config(path)
+    except Exception as e:  # LMCache's own validation
+        raise ConfigError(f"{path}: LMCache rejects this file: {e}") from None
+    plugins = list(cfg.storage_plugins or [])
+    names = [p for p in plugins if (cfg.extra_config or {}).get(f"storage_plugin.{p}.class_name") == "KVTierBackend"]
+    if not names:
+        raise ConfigError(
+            f"{path}: no storage plugin uses kvtier; add 'storage_plugins: [\"kvtier\"]' and, under extra_config, "
+            "'storage_plugin.kvtier.module_path: kvtier.storage_backends' and "
+            "'storage_plugin.kvtier.class_name: KVTierBackend'"
+        )
+    for name in names:
+        module = cfg.extra_config.get(f"storage_plugin.{name}.module_path", "")
+        if not module.startswith("kvtier.storage_backends"):
+            raise ConfigError(f"storage_plugin.{name}.module_path must be kvtier.storage_backends, got {module!r}")
+    kv = parse_kvtier_config(cfg.extra_config)
+    from kvtier.compat import guard
+
+    try:
+        versions = guard.check(guard.COMPONENT_PLUGIN)
+    except guard.UnsupportedVersion as e:
+        raise ConfigError(str(e)) from None
+    from kvtier.storage_backends.ssd.directory import prepare_directory
+
+    prepare_directory(kv.ssd_path)
+    from kvtier.storage_backends.shared.config import SHARED_KEY, SharedTierOptions, remote_configured
+
+    shared = ""
+    raw = (cfg.extra_config or {}).get(SHARED_KEY)
+    if remote_configured(cfg):
+        opts = SharedTierOptions.parse(raw)
+        shared = (f", shared store {cfg.remote_url or cfg.remote_storage_plugins} (writes: {opts.writes}, "
+                  f"on_unavailable: {opts.on_unavailable}; not contacted here)")
+    elif raw is not None:
+        raise ConfigError(f"{path}: {SHARED_KEY} is set but no shared store is named; add 'remote_url: "
+                          f"redis://HOST:PORT' (or remote_storage_plugins), or remove {SHARED_KEY}")
+    return (f"OK: {path}: plugin {names[0]!r} -> KVTierBackend, SSD tier at {kv.ssd_path} "
+            f"({kv.ssd_capacity_gb:g} GiB, {kv.io_threads} I/O threads, io_engine={kv.io_engine}, "
+            f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB, chunk_size {cfg.chunk_size}"
+            f"{shared}, LMCache {versions.installed.lmcache} ({versions.verdict.value})")
+
+
+ADAPTER_MODULE = "kvtier.storage_backends.lmcache.mp_adapter"
+ADAPTER_CLASS = "KVTierL2Adapter"
+
+
+def _json_object(path: str, what: str) -> dict:
+    """The JSON object in `path`; ConfigError if it is not valid JSON or not an object (`what` names it)."""
+    import json
+
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: {what} is a JSON object, got {type(spec).__name__}")
+    return spec
+
+
+def check_l2_adapter(path: str) -> str:
+    """Validate an `--l2-adapter` JSON spec for kvtier's L2 adapter, parsed by LMCache's own argument parser."""
+    import argparse as _argparse
+    import json
+
+    spec = _json_object(path, "an --l2-adapter spec")
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+    try:
+        parse_args_to_l2_adapters_config(_argparse.Namespace(l2_adapter=[json.dumps(spec)]))
+    except (ValueError, KeyError, ImportError) as e:
+        raise ConfigError(f"{path}: LMCache rejects this --l2-adapter spec: {e}") from None
+    if spec.get("type") != "plugin":
+        raise ConfigError(f"{path}: \"type\" must be \"plugin\" for kvtier's adapter, got {spec.get('type')!r}")
+    if spec.get("module_path") != ADAPTER_MODULE:
+        raise ConfigError(f"{path}: \"module_path\" must be {ADAPTER_MODULE!r}, got {spec.get('module_path')!r}")
+    if spec.get("class_name") != ADAPTER_CLASS:
+        raise ConfigError(f"{path}: \"class_name\" must be {ADAPTER_CLASS!r}, got {spec.get('class_name')!r}")
+    from kvtier.storage_backends.config import parse_adapter_params
+
+    kv = parse_adapter_params(spec.get("adapter_params"))
+    from kvtier.storage_backends.lmcache.mp_adapter import SUBDIR
+    from kvtier.storage_backends.ssd.posix_io import probe_o_direct
+    from kvtier.storage_backends.lmcache.mp_adapter import _adapter_key_names
+    from kvtier.storage_backends.ssd.directory import prepare_directory
+
+    directory = os.path.join(kv.ssd_path, SUBDIR)
+    try:
+        prepare_directory(kv.ssd_path)
+        prepare_directory(directory)
+    except ConfigError as e:
+        raise ConfigError(_adapter_key_names(str(e))) from None
+    if kv.o_direct:
+        try:
+            probe_o_direct(directory)
+        except OSError as e:
+            raise ConfigError(f"adapter_params.o_direct: the file system of {directory} refuses O_DIRECT "
+                              f"({e.strerror}); put ssd_path on a real disk, or set \"o_direct\": false") from None
+    note = ""
+    if spec.get("eviction") is not None:
+        note = ("; note: the \"eviction\" block makes LMCache delete chunks too (by its own policy, at its "
+                "watermark), beside kvtier's own eviction")
+    return (f"OK: {path}: LMCache L2 adapter {ADAPTER_CLASS}, SSD tier at {directory} ({kv.ssd_capacity_gb:g} GiB, "
+            f"{kv.io_threads} I/O threads, io_engine={kv.io_engine}, o_direct={kv.o_direct}, "
+            f"durable_writes={kv.durable_writes}, eviction={kv.eviction_policy}){note}")
+
+
+CONNECTOR_NAME = "KVTierConnector"
+CONNECTOR_MODULE = "kvtier.connector"
+
+
+def check_vllm_json(path: str, block_size: int = 16) -> str:
+    """Validate a vLLM `--kv-transfer-config` JSON for kvtier's connector, as the connector does when vLLM builds
+    it (`block_size`: vLLM's default page size; the engine's real one is checked again at start)."""
+    spec = _json_object(path, "a --kv-transfer-config")
+    if spec.get("kv_connector") != CONNECTOR_NAME:
+        raise ConfigError(f"{path}: \"kv_connector\" must be {CONNECTOR_NAME!r}, got {spec.get('kv_connector')!r}")
+    if spec.get("kv_connector_module_path", CONNECTOR_MODULE) != CONNECTOR_MODULE:
+        raise ConfigError(f"{path}: \"kv_connector_module_path\" must be {CONNECTOR_MODULE!r}, got "
+                          f"{spec.get('kv_connector_module_path')!r}")
+    if spec.get("kv_role") != "kv_both":
+        raise ConfigError(f"{path}: \"kv_role\" must be \"kv_both\" (kvtier both saves and loads), got "
+                          f"{spec.get('kv_role')!r}")
+    from kvtier.connector.config import load_connector_config
+
+    cfg = load_connector_config(spec.get("kv_connector_extra_config"), block_size)
+    from kvtier.compat import guard
+
+    try:
+        versions = guard.check(guard.COMPONENT_CONNECTOR)
+    except guard.UnsupportedVersion as e:
+        raise ConfigError(str(e)) from None
+    policy = spec.get("kv_load_failure_policy")
+    note = "" if policy == "recompute" else (
+        f"; note: kv_load_failure_policy is {policy or 'unset (vLLM default: fail)'}: a KV block that fails to load "
+        "(a corrupt or vanished SSD chunk) then fails its request instead of being recomputed; set \"recompute\"")
+    return (f"OK: {path}: vLLM connector {CONNECTOR_NAME}, LMCache config {cfg.config_file}, SSD tier at "
+            f"{cfg.kvtier.ssd_path} ({cfg.kvtier.ssd_capacity_gb:g} GiB), chunk_size {cfg.chunk_size}, "
+            f"vLLM {versions.installed.vllm}, LMCache {versions.installed.lmcache} ({versions.verdict.value}){note}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        print(check(args.file))
+        return 0
+    except ConfigError as e:
+        print(f"kvtier check-config: ERROR: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,561 @@
+"""`SharedTier`: kvtier's use of LMCache's remote backend (Redis, Valkey, Mooncake store, ...) as a tier shared by
+several engines, behind the engine's own host and SSD tiers.
+
+LMCache builds the remote backend from its own settings (`remote_url` or `remote_storage_plugins`, every URL scheme
+it speaks). LMCache 0.5.6 walks its backends in a fixed order (host, ..., remote, then storage plugins), so a chunk
+held both on kvtier's SSD and in the store would be read over the network. The kvtier connector therefore takes the
+remote backend out of LMCache's own walk (`StorageManager.set_backend_bypass`, LMCache's switch for skipping a
+backend) and uses it here, in kvtier's order: host, SSD, then the store; for engines built by other code,
+`arrange_local_first(engine)` moves kvtier's plugin ahead of the remote backends instead.
+
+What this layer adds to LMCache's remote backend:
+- **Keys** carry the model, the world size and rank (LMCache's key) and kvtier's chunk layout (`key_tag`: page
+  size, chunk size, KV geometry), so engines of another model or layout never read each other's chunks. Every
+  chunk read is also checked against this engine's layout (`layout_ok`) before it reaches the host tier.
+- **Faults**: every operation has a time limit (an error other than a timeout is retried once: the client
+  replaces a pooled connection broken by a store restart); a store that fails is marked down (`StoreHealth`: logged once,
+  counted), skipped without network waits while down, probed every `retry_s`, and used again once it answers.
+  Failures are misses: the request recomputes, never wrong KV, never an exception into the engine.
+- **Writes** never run on the forward path: `submit_writes` takes a reference on each chunk in the host tier and
+  queues it (bounded by `max_queued_write_mb`, beyond which writes are dropped and counted); a writer thread sends
+  them. Which chunks are written is the connector's policy (`kvtier.shared.writes`).
+- **Counters and metrics** (`kvtier_shared_*`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from kvtier.storage_backends.shared import metrics as M
+from kvtier.storage_backends.config import ConfigError
+from kvtier.storage_backends.shared.config import SharedTierOptions
+from kvtier.storage_backends.shared.health import StoreHealth
+from kvtier.storage_backends.ssd.tier import ChunkMeta
+
+logger = logging.getLogger(__name__)
+
+#: errors a bad chunk raises inside a connector (wrong sizes, undecodable metadata): that chunk is a miss, the
+#: store stays up; anything else counts as the store failing
+_DATA_ERRORS = (ValueError, TypeError, AssertionError, KeyError, IndexError)
+
+
+@dataclass
+class SharedStats:
+    lookups: int = 0  #: prefix lookups that asked the store
+    found: int = 0  #: chunks the store held (lookups)
+    hits: int = 0  #: chunks read into the host tier
+    misses: int = 0  #: chunks asked for and not delivered (absent, layout, bad, error)
+    layout_mismatch: int = 0
+    bad_chunks: int = 0
+    writes: int = 0  #: chunks written
+    write_bytes: int = 0
+    read_bytes: int = 0
+    dropped_writes: int = 0
+    queued_writes: int = 0  #: chunks handed to the writer
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def remote_backends(engine: Any) -> list[tuple[str, Any]]:
+    """(name, backend) of every LMCache RemoteBackend of an engine, in LMCache's order."""
+    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+    return [(n, b) for n, b in engine.storage_manager.storage_backends.items() if isinstance(b, RemoteBackend)]
+
+
+def arrange_local_first(engine: Any) -> bool:
+    """Move kvtier's storage plugin ahead of LMCache's remote backends in an engine's backend order, so LMCache's
+    own lookups and retrieves ask the local SSD tier before the network. For engines that kvtier's connector does
+    not build (its own connector routes the tiers itself). Returns whether anything moved."""
+    from kvtier.storage_backends.lmcache.backend import KVTierBackend
+
+    backends = engine.storage_manager.storage_backends
+    names = list(backends)
+    remote = [n for n, _ in remote_backends(engine)]
+    mine = [n for n in names if isinstance(backends[n], KVTierBackend)]
+    if not remote or not mine or max(names.index(n) for n in mine) < min(names.index(n) for n in remote):
+        return False
+    with engine.storage_manager.manager_lock:
+        for n in remote:  # remote backends go after kvtier's plugin(s), keeping their own relative order
+            backends.move_to_end(n)
+        for n in names:
+            if n not in remote and names.index(n) > min(names.index(m) for m in remote) and n not in mine:
+                backends.move_to_end(n)  # anything that stood after the remote backends stays after them
+    logger.info("kvtier: LMCache backend order is now %s (local tiers before the shared store)", list(backends))
+    return True
+
+
+class _NoWaitAllocator:
+    """The host tier's allocator as a connector sees it, but never busy-waiting for room: LMCache's remote
+    connectors allocate with `busy_loop=True`, which loops forever when every chunk of a full host pool is
+    pinned; here a full pool makes the read a miss instead."""
+
+    def __init__(self, host: Any) -> None:
+        self._host = host
+
+    def allocate(self, shapes, dtypes, fmt=None, eviction: bool = True, busy_loop: bool = True):
+        return self._host.allocate(shapes, dtypes, fmt, eviction=eviction, busy_loop=False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+
+def _unwrap(conn: Any) -> Any:
+    inner = conn
+    while hasattr(inner, "getWrappedConnector"):
+        inner = inner.getWrappedConnector()
+    return inner
+
+
+def attach_shared_tier(engine: Any, layout_ok: Callable[[ChunkMeta], bool], key_tag: str,
+                       options: SharedTierOptions, model_id: str = "") -> "SharedTier | None":
+    """The engine's remote backend as kvtier's shared tier, or None when the LMCache config names no store.
+
+    The remote backend leaves LMCache's own walk (kvtier routes host, SSD, then the store itself) and the store is
+    probed (`SharedTier.start`: a ConfigError if it does not answer, unless `on_unavailable: degrade`)."""
+    found = remote_backends(engine)
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ConfigError(f"kvtier.shared: LMCache has {len(found)} remote backends ({', '.join(n for n, _ in found)});"
+                          " kvtier uses one shared store: keep one of remote_url / remote_storage_plugins")
+    name, remote = found[0]
+    serde = getattr(engine.config, "remote_serde", "naive")
+    if serde not in (None, "naive"):
+        raise ConfigError(f"kvtier.shared: remote_serde is {serde!r}; kvtier stores chunks as they are in host "
+                          "memory (it checks their layout on every read): set remote_serde: naive")
+    host = engine.storage_manager.storage_backends.get("LocalCPUBackend")
+    if host is None:
+        raise ConfigError("kvtier.shared needs LMCache's host tier (local_cpu: true) to stage shared chunks")
+    sm = engine.storage_manager
+    sm.set_backend_bypass(name, True)  # kvtier, not LMCache's walk, decides when to use it
+
+    def detach() -> None:  # LMCache then never calls the backend's close (see SharedTier.close)
+        with sm.manager_lock:
+            sm.storage_backends.pop(name, None)
+
+    tier = SharedTier(remote, host, layout_ok, key_tag, options, model_id=model_id, detach=detach)
+    tier.start()
+    return tier
+
+
+def close_remote_connection(remote: Any, inner: Any = None, loop: Any = None) -> None:
+    """Close an LMCache RemoteBackend's connection without LMCache's own `close()` (see `SharedTier.close`)."""
+    inner = inner if inner is not None else (_unwrap(remote.connection) if remote.connection is not None else None)
+    if inner is None:
+        return
+    loop = loop or remote.loop
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(5.0)
+
+    pq = getattr(inner, "pq_executor", None)
+    if pq is not None and hasattr(pq, "shutdown_async"):
+        try:
+            run(pq.shutdown_async(True))
+        except Exception:  # noqa: BLE001
+            logger.debug("kvtier: shutting down the store client's executor failed", exc_info=True)
+        for attr in ("connection", "cluster"):
+            client = getattr(inner, attr, None)
+            closer = getattr(client, "aclose", None) or getattr(client, "close", None)
+            if closer is None:
+                continue
+            try:
+                res = closer()
+                if asyncio.iscoroutine(res):
+                    run(res)
+            except Exception:  # noqa: BLE001
+                logger.debug("kvtier: closing the store connection failed", exc_info=True)
+        remote.connection = None
+        return
+    t = threading.Thread(target=remote.close, name="kvtier-shared-close", daemon=True)
+    t.start()
+    t.join(10.0)
+    if t.is_alive():
+        logger.warning("kvtier: closing the shared store connection did not finish within 10 s")
+    remote.connection = None
+
+
+def detach_remote_backends(engine: Any) -> int:
+    """Close every LMCache RemoteBackend of an engine kvtier's way and take it out of the engine's backends, so
+    that closing the engine does not hang in LMCache 0.5.6's Redis `close()`; returns how many. For engines
+    built by other code (tests, tools); kvtier's connector does this through `SharedTier.close`."""
+    found = remote_backends(engine)
+    for name, remote in found:
+        close_remote_connection(remote)
+        with engine.storage_manager.manager_lock:
+            engine.storage_manager.storage_backends.pop(name, None)
+    return len(found)
+
+
+class SharedTier:
+    """One engine rank's view of the shared store (see the module docstring)."""
+
+    def __init__(self, remote: Any, host: Any, layout_ok: Callable[[ChunkMeta], bool], key_tag: str,
+                 options: SharedTierOptions, *, name: str | None = None, model_id: str = "",
+                 detach: Callable[[], None] | None = None) -> None:
+        self.remote = remote
+        self._detach = detach
+        self.host = host
+        self.layout_ok = layout_ok
+        self.key_tag = key_tag
+        self.options = options
+        self.model_id = model_id
+        self.name = name or str(getattr(remote, "remote_url", "the shared store"))
+        self.stats = SharedStats()
+        self.health = StoreHealth(self.name, options.retry_s, on_change=lambda up: M.UP.set(1 if up else 0))
+        self._loop = remote.loop
+        inner = _unwrap(remote.connection) if remote.connection is not None else None
+        if inner is not None and hasattr(inner, "local_cpu_backend"):
+            inner.local_cpu_backend = _NoWaitAllocator(host)
+        self._inner = inner  # writes go to the connector itself: its instrumented wrapper swallows put errors
+        self._known: collections.OrderedDict[str, None] = collections.OrderedDict()  # remote keys seen in the store
+        self._queue: collections.deque[tuple[Any, Any, int]] = collections.deque()
+        self._queued_bytes = 0
+        self._queue_full_episode = False  #: writes are being dropped for want of queue room (logged once)
+        self._cv = threading.Condition()
+        self._busy = 0
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-shared-writer", daemon=True)
+        self._writer.start()
+        M.UP.set(1)
+
+    # ------------------------------------------------------------------ start-up
+    def start(self) -> None:
+        """Probe the store; raises ConfigError if it does not answer (unless `on_unavailable: degrade`)."""
+        err = None
+        if self.remote.connection is None:
+            err = "LMCache could not create its connection (see the log above)"
+        else:
+            try:
+                self._run(self.remote.connection.exists(self._probe_key()))
+            except Exception as e:  # noqa: BLE001 - whatever the store's client raises
+                err = f"{type(e).__name__}: {e}"
+        if err is None:
+            logger.info("kvtier: shared store %s answers; key prefix %s, writes: %s", self.name,
+                        self._remote_model("")[:120], self.options.writes)
+            return
+        if self.options.on_unavailable == "fail":
+            self.close()
+            raise ConfigError(
+                f"kvtier.shared: the shared store {self.name} does not answer at start ({err}); start it or fix "
+                "remote_url / remote_storage_plugin.<name>.*_url, or set kvtier.shared.on_unavailable: degrade to "
+                "start with the local tiers only and use the store once it answers")
+        self.health.mark_down(err, "start")
+
+    # ------------------------------------------------------------------ keys
+    def _remote_model(self, model_name: str) -> str:
+        return f"kvtier1|{self.model_id or model_name}|{self.key_tag}"
+
+    def remote_key(self, key: Any) -> Any:
+        """The key of an LMCache chunk key in the shared store (model, world size, rank, hash, dtype of LMCache's
+        key, plus kvtier's layout tag)."""
+        return dataclasses.replace(key, model_name=self._remote_model(key.model_name))
+
+    def _probe_key(self) -> Any:
+        import torch
+        from lmcache.utils import CacheEngineKey
+
+        return CacheEngineKey(model_name="kvtier1|probe", world_size=1, worker_id=0, chunk_hash=0, dtype=torch.uint8)
+
+    def _remember(self, rkey_str: str) -> None:
+        self._known[rkey_str] = None
+        self._known.move_to_end(rkey_str)
+        while len(self._known) > 65536:
+            self._known.popitem(last=False)
+
+    # ------------------------------------------------------------------ running operations on LMCache's loop
+    def _run(self, coro: Any, timeout: float | None = None) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout or self.options.timeout_s)
+        except BaseException:
+            fut.cancel()
+            raise
+
+    def _guarded(self, op: str, coro_factory: Callable[[], Any], timeout: float | None = None) -> tuple[bool, Any]:
+        """(ok, result) of one store operation under the health state; a failure marks the store down."""
+        if self.remote.connection is None or not self.health.attempt():
+            return False, None
+        # A pooled connection to a store that restarted fails once and is then replaced by the client: while the
+        # store counts as up, a failure that is not a timeout is tried once more before the store is marked down.
+        tries = 2 if self.health.up else 1
+        for i in range(tries):
+            try:
+                out = self._run(coro_factory(), timeout)
+            except _DATA_ERRORS as e:
+                self.health.succeeded()
+                raise _BadChunk(e) from e
+            except Exception as e:  # noqa: BLE001 - connection refused, timeouts, the client's own errors
+                if i + 1 < tries and not isinstance(e, TimeoutError):
+                    continue
+                self.health.failed(e, op)
+                M.ERRORS.labels(op).inc()
+                return False, None
+            self.health.succeeded()
+            return True, out
+        return False, None
+
+    @property
+    def up(self) -> bool:
+        return self.health.up
+
+    # ------------------------------------------------------------------ lookups
+    def prefix_contains(self, keys: Sequence[Any]) -> int:
+        """How many leading chunks of `keys` (LMCache keys) the store holds; 0 while it is down."""
+        if not keys:
+            return 0
+        conn = self.remote.connection
+        rkeys = [self.remote_key(k) for k in keys]
+
+        async def exists_all() -> list[bool]:
+            return list(await asyncio.gather(*(conn.exists(k) for k in rkeys)))
+
+        try:
+            ok, found = self._guarded("lookup", exists_all)
+        except _BadChunk:
+            return 0
+        if not ok:
+            return 0
+        n = 0
+        for f in found:
+            if not f:
+                break
+            n += 1
+        self.stats.lookups += 1
+        self.stats.found += n
+        for k in rkeys[:n]:
+            self._remember(k.to_string())
+        return n
+
+    # ------------------------------------------------------------------ reads
+    def read(self, keys: Sequence[Any]) -> list[Any]:
+        """Read chunks (LMCache keys, a prefix run) into new host-tier objects; None where a chunk is absent, of
+        another layout, bad, or the store failed (and for every chunk after the first None: a prefix is only
+        usable up to its first hole). The caller owns one reference of each object returned."""
+        if not keys:
+            return []
+        conn = self.remote.connection
+        rkeys = [self.remote_key(k) for k in keys]
+        t0 = time.monotonic()
+
+        async def get_all() -> list[Any]:
+            res = await asyncio.gather(*(conn.get(k) for k in rkeys), return_exceptions=True)
+            return list(res)
+
+        try:
+            ok, objs = self._guarded("read", get_all, timeout=self.options.timeout_s * max(1, len(keys) // 8 + 1))
+        except _BadChunk:
+            ok, objs = True, [None] * len(keys)
+        if not ok:
+            objs = [None] * len(keys)
+        out: list[Any] = []
+        hole = False
+        for obj in objs:
+            if isinstance(obj, BaseException):
+                if not isinstance(obj, _DATA_ERRORS):
+                    self.health.failed(obj, "read")
+                    M.ERRORS.labels("read").inc()
+                else:
+                    self.stats.bad_chunks += 1
+                    M.MISSES.labels("bad").inc()
+                obj = None
+            if obj is not None and not hole and not self._fits(obj):
+                self.stats.layout_mismatch += 1
+                M.MISSES.labels("layout").inc()
+                obj.ref_count_down()
+                obj = None
+            if obj is None or hole:
+                if obj is not None:
+                    obj.ref_count_down()
+                hole = True
+                out.append(None)
+                continue
+            out.append(obj)
+        got = sum(1 for o in out if o is not None)
+        self.stats.hits += got
+        self.stats.misses += len(out) - got
+        nbytes = sum(o.get_size() for o in out if o is not None)
+        self.stats.read_bytes += nbytes
+        M.HITS.inc(got)
+        if len(out) - got:
+            M.MISSES.labels("absent" if ok else "unavailable").inc(len(out) - got)
+        M.READ_BYTES.inc(nbytes)
+        M.READ_SECONDS.observe(time.monotonic() - t0)
+        return out
+
+    def _fits(self, obj: Any) -> bool:
+        try:
+            meta = ChunkMeta(obj.get_size(), tuple(obj.get_shape()), str(obj.get_dtype()),
+                             obj.get_memory_format().name, {})
+            return bool(self.layout_ok(meta))
+        except Exception:  # noqa: BLE001 - an object we cannot even describe is not ours
+            return False
+
+    # ------------------------------------------------------------------ writes
+    def submit_writes(self, keys: Iterable[Any]) -> int:
+        """Queue the host-tier chunks of `keys` (LMCache keys) for the store; returns how many were queued.
+        Never blocks: chunks not in the host tier, already in the store, beyond the queue's memory bound, or met
+        while the store is down are dropped (counted)."""
+        cap = self.options.max_queued_write_mb << 20
+        queued = 0
+        for key in keys:
+            rkey = self.remote_key(key)
+            if rkey.to_string() in self._known:
+                continue
+            if not self.health.up:
+                self._drop("store_down")
+                continue
+            obj = self.host.get_blocking(key)  # takes a reference: the chunk stays valid until written
+            if obj is None:
+                self._drop("not_in_host")
+                continue
+            size = obj.get_size()
+            with self._cv:
+                if self._queued_bytes + size > cap:
+                    obj.ref_count_down()
+                    self._drop("queue_full")
+                    if not self._queue_full_episode:  # once per episode; the metric counts every chunk
+                        self._queue_full_episode = True
+                        logger.warning("kvtier: shared store writes fall behind: %d MiB queued, new writes are "
+                                       "dropped (counted in kvtier_shared_dropped_writes_total{reason=\"queue_full\"}"
+                                       "); raise kvtier.shared.max_queued_write_mb or use writes: continuing",
+                                       self._queued_bytes >> 20)
+                    continue
+                if self._queue_full_episode:
+                    self._queue_full_episode = False
+                    logger.info("kvtier: shared store writes are queued again")
+                self._queue.append((rkey, obj, size))
+                self._queued_bytes += size
+                self._cv.notify()
+            queued += 1
+        self.stats.queued_writes += queued
+        M.QUEUED_BYTES.set(self._queued_bytes)
+        return queued
+
+    def _drop(self, reason: str) -> None:
+        self.stats.dropped_writes += 1
+        M.DROPPED_WRITES.labels(reason).inc()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue and self._closed:
+                    return
+                batch = []
+                while self._queue and len(batch) < 16:
+                    batch.append(self._queue.popleft())
+                self._busy += 1
+            try:
+                self._write_batch(batch)
+            except Exception:  # noqa: BLE001 - the writer never dies
+                logger.exception("kvtier: shared writes failed")
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    for _, _, size in batch:
+                        self._queued_bytes -= size
+                    self._cv.notify_all()
+                M.QUEUED_BYTES.set(self._queued_bytes)
+
+    def _write_batch(self, batch: list[tuple[Any, Any, int]]) -> None:
+        inner = self._inner
+        if inner is None or not self.health.attempt():
+            for _, obj, _ in batch:
+                obj.ref_count_down()
+                self._drop("store_down")
+            return
+        t0 = time.monotonic()
+
+        async def put_all() -> list[Any]:
+            return list(await asyncio.gather(*(inner.put(k, o) for k, o, _ in batch), return_exceptions=True))
+
+        fut = asyncio.run_coroutine_threadsafe(put_all(), self._loop)
+
+        def release(_f: Any) -> None:  # only once the sends are over: the store reads the chunks' memory
+            for _, obj, _ in batch:
+                obj.ref_count_down()
+
+        fut.add_done_callback(release)
+        try:
+            res = fut.result(self.options.timeout_s * max(1, len(batch) // 4 + 1))
+        except Exception as e:  # noqa: BLE001 - timeout or the loop's own failure
+            fut.cancel()
+            self.health.failed(e, "write")
+            M.ERRORS.labels("write").inc()
+            for _ in batch:
+                self._drop("store_down")
+            return
+        failed = None
+        for (rkey, obj, size), r in zip(batch, res):
+            if isinstance(r, BaseException):
+                if not isinstance(r, _DATA_ERRORS):
+                    failed = r
+                self._drop("error")
+                continue
+            self.stats.writes += 1
+            self.stats.write_bytes += size
+            M.WRITES.inc()
+            M.WRITE_BYTES.inc(size)
+            self._remember(rkey.to_string())
+        if failed is not None:
+            self.health.failed(failed, "write")
+            M.ERRORS.labels("write").inc()
+        else:
+            self.health.succeeded()
+        M.WRITE_SECONDS.observe(time.monotonic() - t0)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write was sent (or dropped)."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"up": self.health.up, "name": self.name, **self.stats.as_dict(),
+                "health": self.health.counters.as_dict(), "queued_bytes": self._queued_bytes}
+
+    def close(self) -> None:
+        """Send what is queued, then close the store's connection.
+
+        LMCache 0.5.6's Redis connectors deadlock in their own `close()` (a coroutine on the backend's event loop
+        that calls the blocking `AsyncPQExecutor.shutdown`, which waits for that same loop), so an engine with a
+        `redis://` backend never finishes closing. kvtier closes those connections itself, from this thread, and
+        takes the backend out of LMCache's list so that LMCache does not call that `close()` again; other
+        connectors are closed through LMCache in a helper thread with a time limit."""
+        if self._closed:
+            return
+        self.flush(10.0)
+        with self._cv:
+            self._closed = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for _, obj, _ in pending:
+            obj.ref_count_down()
+        self._writer.join(timeout=10.0)
+        self._close_connection()
+        if self._detach is not None:
+            self._detach()
+
+    def _close_connection(self) -> None:
+        close_remote_connection(self.remote, self._inner, self._loop)
+
+
+class _BadChunk(Exception):
+    """A data-level error inside the store's client (that chunk is unusable; the store is fine)."""

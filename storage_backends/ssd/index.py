@@ -1,0 +1,452 @@
+"""The SSD tier's index: which chunk lives in which slot, who may evict what, and what the journal says.
+
+Plain Python, no I/O, no torch: entries (slot, generation, metadata), pins with expiry, readers, the free-slot
+heap, the slot budget (the configured capacity, lowered while the disk is full), the eviction policy, and journal
+replay. The I/O engine (`ssd_io.SlotIO`) moves bytes; `ssd_tier.SSDTier` composes the two with the write queue.
+The same object serves the LMCache plugin, the MP-mode L2 adapter and offline replays (`kvtier.replay.runner`).
+
+Slot life cycle: `reserve()` hands out a slot and a fresh generation (a free slot, a new slot below the budget, or
+one freed by evicting an unpinned, unread chunk); the writer either `commit()`s a chunk into it or `unreserve()`s it.
+A committed chunk leaves through `remove()`, eviction, or a failed read (`end_read` with a verdict); its slot is
+freed when its last reader is done, and `on_slot_freed` is told (the tier journals a FREE record). Every operation
+takes the index's lock; drop listeners and `on_slot_freed` run under it and must not block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+from kvtier.storage_backends import metrics as M
+from kvtier.storage_backends.eviction import EvictionPolicy
+from kvtier.storage_backends.ssd.slot_format import CommitRecord, FreeRecord, JournalRecord
+
+logger = logging.getLogger(__name__)
+
+#: A read's verdict when the chunk was not read at all (no room or engine for it): a miss, the chunk stays.
+NOT_READ = "not_read"
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What the tier records about a chunk besides its bytes."""
+
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    fmt: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Entry:
+    slot: int
+    gen: int
+    meta: ChunkMeta | CommitRecord  # a replayed CommitRecord carries the same fields as ChunkMeta
+    seg: int
+    pins: list[float] = field(default_factory=list)  # expiry times
+    readers: int = 0
+    removed: bool = False
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A slot handed to the writer, with the generation its header and COMMIT record carry."""
+
+    slot: int
+    gen: int
+
+
+@dataclass
+class TierStats:
+    """Exact per-tier counters (tests read these; Prometheus gets the same increments)."""
+
+    committed: int = 0
+    duplicate_puts: int = 0
+    dropped_backpressure: int = 0
+    dropped_no_space: int = 0
+    dropped_io_error: int = 0
+    dropped_too_large: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    layout_mismatch: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    pins_expired: int = 0
+    journal_damaged_records: int = 0
+    journal_records_dropped: int = 0
+    journal_write_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    chunks: int
+    dropped_for_capacity: int
+    dropped_invalid: int  #: records naming a chunk larger than a slot
+    stale: int  #: COMMIT records older than what their slot or key already held (duplicates, replays)
+    max_gen: int
+
+
+def _key_string(key: Any) -> str:
+    """LMCache keys -> the tier's string keys (strings pass through)."""
+    return key if isinstance(key, str) else key.to_string()
+
+
+class SlotIndex:
+    def __init__(self, max_slots: int, policy: EvictionPolicy, *, slot_size: int, pin_timeout_s: float,
+                 layout_ok: Callable[[ChunkMeta], bool] | None = None,
+                 on_slot_freed: Callable[[FreeRecord], None] | None = None,
+                 stats: TierStats | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_slots < 1:
+            raise ValueError("an SSD tier needs at least one slot")
+        self.capacity = max_slots  #: configured slot budget
+        self.limit = max_slots  #: effective budget (lower while the disk is full)
+        self.slot_size = slot_size
+        self.policy = policy
+        self.pin_timeout_s = pin_timeout_s
+        self.layout_ok = layout_ok or (lambda meta: True)
+        self.on_slot_freed = on_slot_freed or (lambda rec: None)
+        self.stats = stats or TierStats()
+        self.clock = clock
+        self.lock = threading.RLock()
+        self._entries: dict[str, Entry] = {}
+        self._slot_owner: dict[int, str] = {}
+        self._reserved: set[int] = set()
+        self._free: list[int] = []  # heap of free slot numbers below _next_slot
+        self._next_slot = 0
+        self._gen = 0
+        self._drop_listeners: list[Callable[[str, int, str], None]] = []
+        policy.set_capacity(max_slots)
+        from kvtier.storage_backends.eviction import session_signals
+
+        session_signals.register(policy, _key_string, self.lock)
+
+    # ------------------------------------------------------------------ journal replay
+    def replay(self, records: Sequence[JournalRecord], *, max_nbytes: int,
+               unallocated: Callable[[Iterable[int]], set[int]] = lambda slots: set()) -> ReplayReport:
+        """Rebuild the index from journal records (file order = commit order). Records naming a slot beyond the
+        capacity, not allocated on disk (`unallocated` names those among the slots it is given) or a chunk larger
+        than a slot are skipped and counted; per slot and per key the newest generation
+        wins, whatever order the records come in; a FREE record frees only the generation it names."""
+        with self.lock:
+            entries, owner = self._entries, self._slot_owner
+            invalid = stale = 0
+            for rec in records:
+                self._gen = max(self._gen, rec.gen)
+                if type(rec) is CommitRecord:
+                    if rec.nbytes > max_nbytes:
+                        invalid += 1
+                        continue
+                    old = owner.get(rec.slot)
+                    prev = entries.get(rec.key)
+                    # Generations only grow: a COMMIT older than what its slot or key already holds is a stale
+                    # copy (a duplicated or replayed record), never newer truth.
+                    if (old is not None and entries[old].gen >= rec.gen) or (prev is not None and prev.gen >= rec.gen):
+                        stale += 1
+                        continue
+                    if old is not None:
+                        del entries[old]
+                    if prev is not None:
+                        del entries[rec.key]
+                        del owner[prev.slot]
+                    entries[rec.key] = Entry(rec.slot, rec.gen, rec, rec.seg)
+                    owner[rec.slot] = rec.key
+                else:
+                    key = owner.get(rec.slot)
+                    if key is not None and entries[key].gen == rec.gen:
+                        del entries[key]
+                        del owner[rec.slot]
+            # Capacity may have shrunk since the last run (or a file was cut short): drop what no longer fits,
+            # oldest first.
+            dropped = 0
+            top = max(owner, default=-1)
+            missing = unallocated(owner)
+            if top >= self.capacity or len(entries) > self.capacity or missing:
+                for key, e in list(entries.items()):
+                    if e.slot >= self.capacity or len(entries) > self.capacity or e.slot in missing:
+                        del entries[key]
+                        del owner[e.slot]
+                        dropped += 1
+            self._next_slot = max(owner, default=-1) + 1
+            self._free = sorted(set(range(self._next_slot)).difference(owner))
+            for key in entries:  # oldest first, as LRU wants
+                self.policy.on_insert(key, 1)
+            self.stats.journal_records_dropped += invalid + stale
+            self._publish()
+            return ReplayReport(len(entries), dropped, invalid, stale, self._gen)
+
+    def live_records(self) -> list[CommitRecord]:
+        """COMMIT records of every live chunk (a journal snapshot for compaction)."""
+        with self.lock:
+            out = []
+            for key, e in self._entries.items():
+                m = e.meta
+                out.append(m if type(m) is CommitRecord else
+                           CommitRecord(e.slot, e.gen, key, m.nbytes, m.shape, m.dtype, m.fmt, e.seg, m.extra))
+            return out
+
+    # ------------------------------------------------------------------ lookups and pins
+    def _pinned(self, e: Entry, now: float) -> bool:
+        if e.pins and e.pins[0] <= now:
+            alive = [t for t in e.pins if t > now]
+            self.stats.pins_expired += len(e.pins) - len(alive)
+            e.pins = alive
+        return bool(e.pins)
+
+    def _usable(self, key: str) -> Entry | None:
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        if not self.layout_ok(e.meta):  # type: ignore[arg-type]
+            self._drop(key, e, "layout")
+            return None
+        return e
+
+    def get(self, key: str) -> Entry | None:
+        with self.lock:
+            return self._entries.get(key)
+
+    def contains(self, key: str, pin: bool = False) -> bool:
+        with self.lock:
+            e = self._usable(key)
+            if e is None:
+                return False
+            if pin:
+                e.pins.append(self.clock() + self.pin_timeout_s)
+            return True
+
+    def prefix_contains(self, keys: Sequence[str], pin: bool = False, *, request: bool = False) -> int:
+        """How many leading keys are stored. `request=True` marks a request's lookup of its whole prefix chain,
+        which session-aware policies use to infer conversations."""
+        with self.lock:
+            if request and keys:
+                self.policy.on_request(list(keys), self.clock())
+            n = 0
+            for key in keys:
+                if not self.contains(key, pin):
+                    break
+                n += 1
+            return n
+
+    def unpin(self, key: str) -> bool:
+        with self.lock:
+            e = self._entries.get(key)
+            if e is None or not e.pins:
+                return False
+            e.pins.pop(0)
+            return True
+
+    def is_pinned(self, key: str) -> bool:
+        with self.lock:
+            e = self._entries.get(key)
+            return e is not None and self._pinned(e, self.clock())
+
+    def remove(self, key: str) -> bool:
+        with self.lock:
+            e = self._entries.get(key)
+            if e is None:
+                return False
+            self._drop(key, e, None)
+            return True
+
+    def keys(self) -> list[str]:
+        with self.lock:
+            return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def used_bytes(self) -> int:
+        return len(self._entries) * self.slot_size
+
+    def add_drop_listener(self, fn: Callable[[str, int, str], None]) -> None:
+        """Call `fn(key, nbytes, reason)` whenever a committed chunk leaves the tier (`reason`: evicted, removed,
+        corrupt or layout). It runs under the index's lock: keep it short and never block in it."""
+        with self.lock:
+            self._drop_listeners.append(fn)
+
+    # ------------------------------------------------------------------ reads
+    def begin_read(self, keys: Sequence[str]) -> list[Entry | None]:
+        """Entries to read (None: not stored); each returned entry counts a reader until `end_read`."""
+        with self.lock:
+            out = []
+            for key in keys:
+                e = self._usable(key)
+                if e is not None:
+                    e.readers += 1
+                out.append(e)
+            return out
+
+    def end_read(self, keys: Sequence[str], entries: Sequence[Entry | None], verdicts: Sequence[str | None],
+                 served: Sequence[bool]) -> None:
+        """Close `begin_read`: a verdict (a corruption reason; not NOT_READ) drops the chunk; `served` chunks count
+        as hits, the others as misses."""
+        with self.lock:
+            misses = 0
+            for key, e, verdict, ok in zip(keys, entries, verdicts, served, strict=True):
+                if e is None:
+                    misses += 1
+                    continue
+                e.readers -= 1
+                if verdict is not None and verdict != NOT_READ:
+                    self._drop(key, e, verdict)
+                elif e.removed and e.readers == 0:
+                    self._release_slot(e)
+                if ok and verdict is None:
+                    self.stats.hits += 1
+                    self.stats.bytes_read += e.meta.nbytes
+                    M.SSD_HITS.inc()
+                    M.SSD_BYTES_READ.inc(e.meta.nbytes)
+                    if not e.removed:
+                        self.policy.on_access(key)
+                else:
+                    misses += 1
+            self.stats.misses += misses
+            M.SSD_MISSES.inc(misses)
+
+    # ------------------------------------------------------------------ writes
+    def is_stored(self, key: str) -> bool:
+        with self.lock:
+            return key in self._entries
+
+    def reserve(self) -> Reservation | None:
+        """A slot for a new chunk, evicting if the budget is used up; None when every chunk is pinned or read."""
+        with self.lock:
+            slot = self._take_slot()
+            if slot is None:
+                return None
+            self._reserved.add(slot)
+            self._gen += 1
+            return Reservation(slot, self._gen)
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return heapq.heappop(self._free)
+        if self._next_slot < self.limit:
+            self._next_slot += 1
+            return self._next_slot - 1
+        now = self.clock()
+
+        def evictable(k: Hashable) -> bool:
+            e = self._entries.get(k)  # type: ignore[arg-type]
+            return e is not None and e.readers == 0 and not self._pinned(e, now)
+
+        for victim in self.policy.victims(1, evictable):
+            e = self._entries[victim]  # type: ignore[index]
+            self._drop(victim, e, None, evicted=True)  # type: ignore[arg-type]
+            self.stats.evictions += 1
+            M.SSD_EVICTIONS.inc()
+            if self._free:
+                return heapq.heappop(self._free)
+        return None
+
+    def unreserve(self, res: Reservation) -> None:
+        """The writer did not commit into `res`: the slot is free again."""
+        with self.lock:
+            self._reserved.discard(res.slot)
+            heapq.heappush(self._free, res.slot)
+
+    def commit(self, key: str, res: Reservation, meta: ChunkMeta, seg: int) -> None:
+        """Make a chunk written to `res` visible. A key committed twice keeps the newer slot (the older one is
+        freed, never leaked)."""
+        with self.lock:
+            self._reserved.discard(res.slot)
+            old = self._entries.get(key)
+            if old is not None:
+                self._drop(key, old, None)
+            self._entries[key] = Entry(res.slot, res.gen, meta, seg)
+            self._slot_owner[res.slot] = key
+            self.policy.on_insert(key, 1)
+            self.stats.committed += 1
+            self.stats.bytes_written += meta.nbytes
+            M.SSD_PUTS.inc()
+            M.SSD_BYTES_WRITTEN.inc(meta.nbytes)
+            self._publish()
+
+    # ------------------------------------------------------------------ the slot budget
+    def is_fresh(self, res: Reservation) -> bool:
+        """Whether `res` is the highest slot ever handed out (the one a full disk may not have room for)."""
+        with self.lock:
+            return res.slot == self._next_slot - 1
+
+    def disk_full(self, res: Reservation) -> None:
+        """The disk had no room for the fresh slot `res`: give it back and keep the budget at the slots that
+        exist, evicting within them, until `restore_limit`."""
+        with self.lock:
+            self._reserved.discard(res.slot)
+            if res.slot == self._next_slot - 1:
+                self._next_slot -= 1
+                self.limit = min(self.capacity, res.slot)
+                self.policy.set_capacity(max(1, self.limit))
+            else:
+                heapq.heappush(self._free, res.slot)
+
+    def restore_limit(self) -> None:
+        """Try the configured capacity again (the disk may have room now)."""
+        with self.lock:
+            self.limit = self.capacity
+            self.policy.set_capacity(self.capacity)
+
+    # ------------------------------------------------------------------ internals
+    def _drop(self, key: str, e: Entry, reason: str | None, evicted: bool = False) -> None:
+        """Remove an entry; its slot is freed now, or when its last reader finishes."""
+        if self._entries.get(key) is e:
+            del self._entries[key]
+            self.policy.on_remove(key)
+            why = "evicted" if evicted else ("removed" if reason is None else
+                                             ("layout" if reason == "layout" else "corrupt"))
+            for fn in self._drop_listeners:
+                try:
+                    fn(key, e.meta.nbytes, why)
+                except Exception:
+                    logger.exception("SSD tier drop listener failed for %s", key)
+        e.removed = True
+        if reason == "layout":
+            self.stats.layout_mismatch += 1
+            M.SSD_CORRUPT.labels("layout").inc()
+        elif reason is not None:
+            self.stats.corrupt += 1
+            M.SSD_CORRUPT.labels(reason).inc()
+        if e.readers == 0:
+            self._release_slot(e)
+        self._publish()
+
+    def _release_slot(self, e: Entry) -> None:
+        owner = self._slot_owner.get(e.slot)
+        if owner is not None and self._entries.get(owner) is not e:
+            del self._slot_owner[e.slot]
+            heapq.heappush(self._free, e.slot)
+            self.on_slot_freed(FreeRecord(e.slot, e.gen))
+
+    def _publish(self) -> None:
+        M.SSD_USED_BYTES.set(len(self._entries) * self.slot_size)
+
+    # ------------------------------------------------------------------ checks (tests and debugging)
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (a leaked slot, reader or owner)."""
+        with self.lock:
+            owned = set(self._slot_owner)
+            free = set(self._free)
+            assert len(free) == len(self._free), "a slot is free twice"
+            assert not owned & free, "a slot is both owned and free"
+            assert not self._reserved & (owned | free), "a reserved slot is owned or free"
+            assert all(getattr(self._entries.get(k), "slot", None) == s for s, k in self._slot_owner.items()), (
+                "owner/entry mismatch")
+            assert len(self._entries) == len(owned), "an entry without its slot"
+            everything = owned | free | self._reserved
+            assert everything == set(range(self._next_slot)), (
+                f"slots below {self._next_slot} unaccounted for: {sorted(set(range(self._next_slot)) - everything)}")
+            assert all(e.readers == 0 for e in self._entries.values()), "a reader never finished"

@@ -1,0 +1,61 @@
+"""Helpers for tests and benchmarks of the SSD tier: deterministic payloads, blocking put/get, capacity checks,
+and the journal's record framing (to find, damage or craft records)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import msgspec
+import numpy as np
+
+from kvtier.storage_backends.ssd.index import ChunkMeta
+
+
+def payload(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def meta(n: int, fmt: str = "KV_2LTD") -> ChunkMeta:
+    return ChunkMeta(n, (n,), "torch.uint8", fmt)
+
+
+def put(tier, key: str, data, fmt: str = "KV_2LTD") -> bool:
+    """Store `data` under `key` and wait: True only if the chunk was committed."""
+    done: list[bool] = []
+    ok = tier.submit_put(key, meta(len(data), fmt), memoryview(data), done.append)
+    assert tier.flush(30)
+    return ok and done == [True]
+
+
+def get(tier, key: str):
+    """The chunk's bytes (a numpy array), or None for a miss."""
+    bufs = {}
+
+    def alloc(k, m):
+        bufs[k] = np.zeros(m.nbytes, dtype=np.uint8)
+        return memoryview(bufs[k]), k
+
+    res = tier.read_batch([key], alloc, lambda h: None)[0]
+    return None if res is None else bufs[key]
+
+
+def fill_fresh(tier, prefix: str, n: int) -> int:
+    """Store `n` new chunks and return how many committed: proves the tier's full capacity is usable."""
+    return sum(put(tier, f"{prefix}{i}", payload(10_000 + i, tier.chunk_bytes)) for i in range(n))
+
+
+def frame(obj) -> bytes:
+    """A CRC-valid journal record around any msgpack value (bypassing the record types' own checks)."""
+    p = msgspec.msgpack.encode(obj)
+    return struct.pack("<II", len(p), zlib.crc32(p)) + p
+
+
+def record_spans(data: bytes) -> list[tuple[int, int]]:
+    """The `[start, end)` byte ranges of the framed records of an undamaged journal."""
+    out, pos = [], 0
+    while pos + 8 <= len(data):
+        n, _ = struct.unpack_from("<II", data, pos)
+        out.append((pos, pos + 8 + n))
+        pos += 8 + n
+    return out
