@@ -80,7 +80,7 @@ def check(path: str) -> str:
             f"{shared}, LMCache {versions.installed.lmcache} ({versions.verdict.value})")
 
 
-ADAPTER_MODULE = "kvtier.storage_backends.lmcache.mp_adapter"
+ADAPTER_MODULE = "kvtier.storage_backends.lmcache_mp_adapter"
 ADAPTER_CLASS = "KVTierL2Adapter"
 
 
@@ -110,8 +110,13 @@ def check_l2_adapter(path: str) -> str:
         parse_args_to_l2_adapters_config(_argparse.Namespace(l2_adapter=[json.dumps(spec)]))
     except (ValueError, KeyError, ImportError) as e:
         raise ConfigError(f"{path}: LMCache rejects this --l2-adapter spec: {e}") from None
-    if spec.get("type") != "plugin":
-        raise ConfigError(f"{path}: \"type\" must be \"plugin\" for kvtier's adapter, got {spec.get('type')!r}")
+    kvtier_keys = {"module_path", "class_name", "adapter_params"} & spec.keys()
+    if spec.get("type") != "plugin" and kvtier_keys:
+        raise ConfigError(f"{path}: \"type\" must be \"plugin\" for kvtier's adapter (it has "
+                          f"{', '.join(sorted(kvtier_keys))}), got {spec.get('type')!r}")
+    if spec.get("type") != "plugin":  # one of LMCache's own adapters, stacked after kvtier's (e.g. `resp`: Redis)
+        return (f"OK: {path}: LMCache's own L2 adapter {spec.get('type')!r}, accepted by LMCache's parser; kvtier "
+                f"does not run it: list it after kvtier's adapter (a second --l2-adapter)")
     if spec.get("module_path") != ADAPTER_MODULE:
         raise ConfigError(f"{path}: \"module_path\" must be {ADAPTER_MODULE!r}, got {spec.get('module_path')!r}")
     if spec.get("class_name") != ADAPTER_CLASS:
@@ -121,7 +126,7 @@ def check_l2_adapter(path: str) -> str:
     kv = parse_adapter_params(spec.get("adapter_params"))
     from kvtier.storage_backends.lmcache.mp_adapter import SUBDIR
     from kvtier.storage_backends.ssd.posix_io import probe_o_direct
-    from kvtier.storage_backends.lmcache.mp_adapter import _adapter_key_names
+    from kvtier.storage_backends.lmcache.mp_config import adapter_key_names as _adapter_key_names
     from kvtier.storage_backends.ssd.directory import prepare_directory
 
     directory = os.path.join(kv.ssd_path, SUBDIR)

@@ -174,7 +174,7 @@ def test_bad_adapter_params_fail_naming_the_key(tmp_path, params, key):
 
 
 def test_missing_path_and_capacity_fail(tmp_path):
-    cfg = PluginL2AdapterConfig.from_dict({"module_path": "kvtier.storage_backends.lmcache.mp_adapter",
+    cfg = PluginL2AdapterConfig.from_dict({"module_path": "kvtier.storage_backends.lmcache_mp_adapter",
                                            "class_name": "KVTierL2Adapter", "adapter_params": {}})
     with pytest.raises(ConfigError, match=r"adapter_params\.ssd_path, adapter_params\.ssd_capacity_gb"):
         create_l2_adapter(cfg)
@@ -448,3 +448,16 @@ def test_a_store_task_commits_its_chunks_together(adapters, l1):
     assert res.is_successful() and res.bytes_transferred() == 6 * NBYTES
     assert commits == [6]
     assert all(a.tier.contains(key_string(k)) for k in keys)
+
+
+def test_check_config_accepts_lmcaches_own_adapter_shipped_beside_kvtiers(tmp_path):
+    """The shipped `resp` spec (LMCache's Redis adapter, listed after kvtier's) passes LMCache's parser and says kvtier
+    does not run it; the same spec with a port LMCache refuses fails naming LMCache's reason."""
+    from kvtier.cli.check_config import check
+
+    shipped = os.path.join(REPO, "configs", "lmcache-mp-l2-redis.json")
+    assert check(shipped).startswith(f"OK: {shipped}: LMCache's own L2 adapter 'resp'")
+    bad = tmp_path / "resp.json"
+    bad.write_text(json.dumps(dict(json.load(open(shipped)), port=-1)))
+    with pytest.raises(ConfigError, match=r"LMCache rejects this --l2-adapter spec: .*port"):
+        check(str(bad))

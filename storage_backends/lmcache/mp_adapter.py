@@ -3,7 +3,7 @@
 Loaded by LMCache 0.5.6's `plugin` adapter type:
 
     lmcache server ... --l2-adapter '{"type": "plugin",
-        "module_path": "kvtier.storage_backends.lmcache.mp_adapter", "class_name": "KVTierL2Adapter",
+        "module_path": "kvtier.storage_backends.lmcache_mp_adapter", "class_name": "KVTierL2Adapter",
         "adapter_params": {"ssd_path": "/var/cache/kvtier", "ssd_capacity_gb": 100}}'
 
 `adapter_params` are kvtier's own keys without the `kvtier.` prefix (README, "Configuration"), validated strictly
@@ -45,22 +45,36 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import torch
 from lmcache.lmcache_native import Bitmap
-from lmcache.v1.distributed.api import EncodedObjectKey, KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.api import (
+    EncodedObjectKey,
+    KeyEntry,
+    KeyListPage,
+    MemoryLayoutDesc,
+    ObjectKey,
+)
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from kvtier.compat import guard
 from kvtier.storage_backends import metrics as M
-from kvtier.storage_backends.config import ConfigError, KVTierConfig, parse_adapter_params
+from kvtier.storage_backends.config import ConfigError
+from kvtier.storage_backends.lmcache.mp_config import (
+    KVTierL2AdapterConfig,
+    adapter_key_names,
+    claim_directory,
+    show_logs,
+)
+from kvtier.storage_backends.lmcache.mp_keys import (
+    Layout,
+    desc_bytes,
+    key_string,
+    meta_ok,
+    parse_key_string,
+)
 from kvtier.storage_backends.ssd.directory import (
-    DirectoryInUse,
-    lock_directory,
-    prepare_directory,
     read_small_file,
     write_small_file,
 )
@@ -71,108 +85,7 @@ logger = logging.getLogger(__name__)
 #: the tier's directory under ssd_path (kept apart from the in-process plugin's worker<r>-of-<w> directories)
 SUBDIR = "lmcache-mp"
 LAYOUT_FILE = "layout.json"
-_KEY_TAG = "mp1"
 _LOAD_THREADS = 2
-_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
-                               torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2)}
-
-
-# ------------------------------------------------------------------------------------------------ keys and layouts
-def key_string(key: ObjectKey) -> str:
-    """The tier's key for an LMCache MP object: `mp1@model@kv_rank@group@chunk_hash@salt` (hex numbers). LMCache
-    forbids `@` in model names and salts, so the string splits back unambiguously (`parse_key_string`)."""
-    return (f"{_KEY_TAG}@{key.model_name}@{key.kv_rank:x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
-            f"@{key.cache_salt}")
-
-
-def parse_key_string(s: str) -> ObjectKey | None:
-    parts = s.split("@")
-    if len(parts) != 6 or parts[0] != _KEY_TAG:
-        return None
-    _, model, rank, group, chunk, salt = parts
-    try:
-        return ObjectKey(chunk_hash=bytes.fromhex(chunk), model_name=model, kv_rank=int(rank, 16),
-                         object_group_id=int(group, 16), cache_salt=salt)
-    except ValueError:
-        return None
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What must agree between a stored chunk and a buffer it is read into."""
-
-    nbytes: int
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    fmt: str
-
-    @staticmethod
-    def of_object(obj: MemoryObj) -> "Layout":
-        meta = obj.metadata
-        shapes = meta.shapes or [meta.shape]
-        dtypes = meta.dtypes or [meta.dtype]
-        return Layout(int(obj.get_size()), tuple(tuple(int(x) for x in s) for s in shapes),
-                      tuple(str(d) for d in dtypes), obj.get_memory_format().name)
-
-    @staticmethod
-    def of_meta(meta: ChunkMeta) -> "Layout | None":
-        try:
-            shapes = meta.extra.get("shapes", [meta.shape])
-            dtypes = meta.extra.get("dtypes", [meta.dtype])
-            return Layout(int(meta.nbytes), tuple(tuple(int(x) for x in s) for s in shapes),  # type: ignore[union-attr]
-                          tuple(str(d) for d in dtypes), str(meta.fmt))  # type: ignore[union-attr]
-        except (TypeError, ValueError, AttributeError):
-            return None
-
-    def chunk_meta(self) -> ChunkMeta:
-        return ChunkMeta(self.nbytes, self.shapes[0] if self.shapes else (), self.dtypes[0] if self.dtypes else "",
-                         self.fmt, {"shapes": [list(s) for s in self.shapes], "dtypes": list(self.dtypes)})
-
-    def consistent(self) -> bool:
-        """Shapes and dtypes are known and add up to nbytes (what a slot written by this adapter always has)."""
-        if self.fmt not in MemoryFormat.__members__ or len(self.shapes) != len(self.dtypes) or not self.shapes:
-            return False
-        total = 0
-        for shape, dtype in zip(self.shapes, self.dtypes):
-            d = _DTYPES.get(dtype)
-            if d is None:
-                return False
-            n = d.itemsize
-            for x in shape:
-                n *= x
-            total += n
-        return total == self.nbytes
-
-
-def _desc_bytes(desc: MemoryLayoutDesc) -> int:
-    return sum(torch.Size(s).numel() * d.itemsize for s, d in zip(desc.shapes, desc.dtypes))
-
-
-def _meta_ok(meta: ChunkMeta) -> bool:
-    """The tier's layout predicate: a slot whose recorded layout is not self-consistent is unusable."""
-    lay = Layout.of_meta(meta)
-    return lay is not None and lay.consistent()
-
-
-# ------------------------------------------------------------------------------------------------ config
-class KVTierL2AdapterConfig(L2AdapterConfigBase):
-    """`adapter_params` of the plugin spec, parsed strictly into kvtier's `KVTierConfig`."""
-
-    def __init__(self, kvtier: KVTierConfig) -> None:
-        self.kvtier = kvtier
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "KVTierL2AdapterConfig":
-        return cls(parse_adapter_params(d))
-
-    @classmethod
-    def help(cls) -> str:
-        from kvtier.storage_backends.config import KEYS, MP_EXCLUDED_KEYS
-
-        lines = ["kvtier L2 adapter: adapter_params are kvtier's keys without the 'kvtier.' prefix:"]
-        lines += [f"- {k.name} ({k.kind}{', required' if k.required else ''}): {k.help}" for k in KEYS
-                  if k.name not in MP_EXCLUDED_KEYS]
-        return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ tasks
@@ -199,7 +112,7 @@ class KVTierL2Adapter(L2AdapterInterface):
         if not isinstance(config, KVTierL2AdapterConfig):
             config = KVTierL2AdapterConfig.from_dict(dict(config))
         self.kvtier_config = cfg = config.kvtier
-        _show_logs()
+        show_logs()
         try:
             guard.check(guard.COMPONENT_MP_ADAPTER)
         except guard.UnsupportedVersion as e:
@@ -207,7 +120,7 @@ class KVTierL2Adapter(L2AdapterInterface):
             raise ConfigError(str(e)) from None
         super().__init__(max_capacity_bytes=cfg.capacity_bytes)
         self.directory = os.path.join(cfg.ssd_path, SUBDIR)
-        self._lock_fd = _claim_directory(cfg.ssd_path, self.directory, cfg.o_direct)
+        self._lock_fd = claim_directory(cfg.ssd_path, self.directory, cfg.o_direct)
         self._lock = threading.Lock()  # adapter state; never held while calling the tier
         self._tier_lock = threading.Lock()  # opening the tier
         self._tier: SSDTier | None = None
@@ -269,9 +182,9 @@ class KVTierL2Adapter(L2AdapterInterface):
             if self._tier is not None or self.open_error is not None:
                 return self._tier
             try:
-                tier = SSDTier(self.kvtier_config, chunk_bytes, layout_ok=_meta_ok, subdir=SUBDIR)
+                tier = SSDTier(self.kvtier_config, chunk_bytes, layout_ok=meta_ok, subdir=SUBDIR)
             except ConfigError as e:
-                self.open_error = _adapter_key_names(str(e))
+                self.open_error = adapter_key_names(str(e))
                 if strict:
                     raise ConfigError(self.open_error) from None
                 logger.error("kvtier L2 adapter cannot open its SSD tier: %s; it stores and serves nothing",
@@ -426,7 +339,7 @@ class KVTierL2Adapter(L2AdapterInterface):
         task_id = self._new_id()
         bitmap = Bitmap(len(keys))
         try:
-            sizes = [_desc_bytes(d) for d in (group_layout_descs or {}).values() if d.shapes]
+            sizes = [desc_bytes(d) for d in (group_layout_descs or {}).values() if d.shapes]
             tier = self._tier_for(max(sizes, default=0))
             if tier is not None and keys:
                 strs = [key_string(k) for k in keys]
@@ -643,49 +556,6 @@ class KVTierL2Adapter(L2AdapterInterface):
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
-
-
-def _adapter_key_names(message: str) -> str:
-    """The tier names its settings `kvtier.<key>`; in MP mode the user wrote them as `adapter_params.<key>`."""
-    from kvtier.storage_backends.config import KEYS
-
-    for k in KEYS:
-        message = message.replace(f"kvtier.{k.name}", f"adapter_params.{k.name}")
-    return message
-
-
-def _show_logs() -> None:
-    """`lmcache server` configures only LMCache's own loggers: without a handler, kvtier's INFO lines (the tier's
-    size, what a restart found) would be lost. Give the `kvtier` logger one, unless the process has its own."""
-    root, ours = logging.getLogger(), logging.getLogger("kvtier")
-    if root.handlers or ours.handlers:
-        return
-    h = logging.StreamHandler()
-    h.setFormatter(logging.Formatter("[%(asctime)s] kvtier %(levelname)s: %(message)s (%(name)s)"))
-    ours.addHandler(h)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
-
-
-def _claim_directory(ssd_path: str, directory: str, o_direct: bool) -> int:
-    """Create, check and lock the adapter's directory now, so a bad or unsafe path or a second server on the same
-    path fails at start (the tier itself opens later, with the first chunk size)."""
-    try:
-        prepare_directory(ssd_path)
-        prepare_directory(directory)
-        fd = lock_directory(directory, "adapter.lock")
-    except (ConfigError, DirectoryInUse) as e:
-        raise ConfigError(_adapter_key_names(str(e))) from None
-    if o_direct:
-        from kvtier.storage_backends.ssd.posix_io import probe_o_direct
-
-        try:
-            probe_o_direct(directory)
-        except OSError as e:
-            os.close(fd)
-            raise ConfigError(f"adapter_params.o_direct: the file system of {directory} refuses O_DIRECT "
-                              f"({e.strerror}); put ssd_path on a real disk, or set \"o_direct\": false") from None
-    return fd
 
 
 __all__ = ["KVTierL2Adapter", "KVTierL2AdapterConfig", "key_string", "parse_key_string", "Layout", "SUBDIR"]

@@ -1,0 +1,84 @@
+"""Configuration and start-up of the multiprocess-mode L2 adapter: `adapter_params` parsed strictly
+(`KVTierL2AdapterConfig`), settings named as the user wrote them (`adapter_params.<key>`), kvtier's log lines made
+visible under `lmcache server`, and the adapter's directory claimed (created, checked, locked) at start."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+
+from kvtier.storage_backends.config import (
+    ConfigError,
+    KVTierConfig,
+    parse_adapter_params,
+)
+from kvtier.storage_backends.ssd.directory import (
+    DirectoryInUse,
+    lock_directory,
+    prepare_directory,
+)
+
+
+class KVTierL2AdapterConfig(L2AdapterConfigBase):
+    """`adapter_params` of the plugin spec, parsed strictly into kvtier's `KVTierConfig`."""
+
+    def __init__(self, kvtier: KVTierConfig) -> None:
+        self.kvtier = kvtier
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVTierL2AdapterConfig":
+        return cls(parse_adapter_params(d))
+
+    @classmethod
+    def help(cls) -> str:
+        from kvtier.storage_backends.config import KEYS, MP_EXCLUDED_KEYS
+
+        lines = ["kvtier L2 adapter: adapter_params are kvtier's keys without the 'kvtier.' prefix:"]
+        lines += [f"- {k.name} ({k.kind}{', required' if k.required else ''}): {k.help}" for k in KEYS
+                  if k.name not in MP_EXCLUDED_KEYS]
+        return "\n".join(lines)
+
+
+def adapter_key_names(message: str) -> str:
+    """The tier names its settings `kvtier.<key>`; in MP mode the user wrote them as `adapter_params.<key>`."""
+    from kvtier.storage_backends.config import KEYS
+
+    for k in KEYS:
+        message = message.replace(f"kvtier.{k.name}", f"adapter_params.{k.name}")
+    return message
+
+
+def show_logs() -> None:
+    """`lmcache server` configures only LMCache's own loggers: without a handler, kvtier's INFO lines (the tier's
+    size, what a restart found) would be lost. Give the `kvtier` logger one, unless the process has its own."""
+    root, ours = logging.getLogger(), logging.getLogger("kvtier")
+    if root.handlers or ours.handlers:
+        return
+    h = logging.StreamHandler()
+    h.setFormatter(logging.Formatter("[%(asctime)s] kvtier %(levelname)s: %(message)s (%(name)s)"))
+    ours.addHandler(h)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
+
+
+def claim_directory(ssd_path: str, directory: str, o_direct: bool) -> int:
+    """Create, check and lock the adapter's directory now, so a bad or unsafe path or a second server on the same
+    path fails at start (the tier itself opens later, with the first chunk size)."""
+    try:
+        prepare_directory(ssd_path)
+        prepare_directory(directory)
+        fd = lock_directory(directory, "adapter.lock")
+    except (ConfigError, DirectoryInUse) as e:
+        raise ConfigError(adapter_key_names(str(e))) from None
+    if o_direct:
+        from kvtier.storage_backends.ssd.posix_io import probe_o_direct
+
+        try:
+            probe_o_direct(directory)
+        except OSError as e:
+            os.close(fd)
+            raise ConfigError(f"adapter_params.o_direct: the file system of {directory} refuses O_DIRECT "
+                              f"({e.strerror}); put ssd_path on a real disk, or set \"o_direct\": false") from None
+    return fd
