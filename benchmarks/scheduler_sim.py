@@ -1,8 +1,12 @@
 """Benchmark of kvtier's scheduling (issue 14): simulated queueing and TTFT against fair baselines, delay-hit on a
 shared-prefix workload, and the per-step decision cost.
 
-    .venv/bin/python benchmarks/scheduler_sim.py /work/shared/traces/mooncake_conversation_first30min.jsonl \\
+    .venv/bin/python benchmarks/scheduler_sim.py PATH/TO/mooncake_conversation_first30min.jsonl \\
         [--loads 0.85,0.95] [--json OUT] [--plot OUT.png] [--tune]
+
+The trace is not shipped with kvtier: mooncake_conversation_first30min.jsonl is the first 30 minutes (timestamp
+< 1,800,000 ms) of conversation_trace.jsonl in the public Mooncake repository
+(https://github.com/kvcache-ai/Mooncake, folder FAST25-release/traces); see docs/development.md, 'Traces'.
 
 1. Held out: the knobs below (`TUNED`: kvtier's scheduler, its starvation multiple, the load plan's GPU-time
    weight, HRRN's aging weight `hrrn_service_exponent`, the starvation lookahead and the window of dispatches the
@@ -49,16 +53,9 @@ from kvtier.scheduler_hooks.dual_queue_policy import (
 from kvtier.scheduler_hooks.hint_derivation import Residency, derive_tier_hint
 from kvtier.scheduler_hooks.load_plan import PlanContext
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
-from kvtier.sim.simulate import (
-    FAIR_BASELINES,
-    SimConfig,
-    SimResult,
-    calibrate_time_scale,
-    load_trace,
-    plot,
-    print_table,
-    simulate,
-)
+from kvtier.sim.base import SimConfig, SimResult, load_trace
+from kvtier.sim.engine import calibrate_time_scale, simulate
+from kvtier.sim.report import FAIR_BASELINES, plot, print_table
 
 #: decision cost is timed in this thread's CPU time (the machine running the benchmark may be shared; wall time
 #: then measures other processes too); `time_steps` also reports wall time
@@ -297,7 +294,10 @@ def time_steps(policy_factory, waiting: int = 1000, steps: int = 400, batches: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace", help="Mooncake conversation trace (JSONL), at least 30 minutes")
+    ap.add_argument("trace", help="Mooncake conversation trace (JSONL), at least 30 minutes, e.g. "
+                    "mooncake_conversation_first30min.jsonl: the first 30 minutes of conversation_trace.jsonl "
+                    "from https://github.com/kvcache-ai/Mooncake (FAST25-release/traces); "
+                    "see docs/development.md")
     ap.add_argument("--loads", default="0.85,0.95", help="comma-separated FCFS GPU-busy targets")
     ap.add_argument("--eviction", default="lru")
     ap.add_argument("--profile", default="llama3-8b-h100")

@@ -1,8 +1,12 @@
 """Benchmark of the shared tier at cluster scale (issue 13), simulated: N replicas behind a round-robin router, each
 with its own GPU queue, host tier and SSD tier, with and without one store shared by all (`kvtier.sim.remote`).
 
-    .venv/bin/python benchmarks/shared_sim.py /work/shared/traces/mooncake_conversation_first30min.jsonl \\
+    .venv/bin/python benchmarks/shared_sim.py PATH/TO/mooncake_conversation_first30min.jsonl \\
         [--replicas 2,4] [--load 0.85] [--json OUT]
+
+The trace is not shipped with kvtier: mooncake_conversation_first30min.jsonl is the first 30 minutes (timestamp
+< 1,800,000 ms) of conversation_trace.jsonl in the public Mooncake repository
+(https://github.com/kvcache-ai/Mooncake, folder FAST25-release/traces); see docs/development.md, 'Traces'.
 
 Held out: the second 15 minutes of the trace (timestamp >= 900 s; cold tiers). Nothing is tuned here: kvtier's
 scheduler and knobs are `benchmarks/scheduler_sim.py`'s `TUNED` (chosen on the first 15 minutes), the shared
@@ -27,8 +31,9 @@ import sys
 import time
 from dataclasses import replace
 
+from kvtier.sim.base import SimConfig, load_trace
+from kvtier.sim.engine import calibrate_time_scale
 from kvtier.sim.remote import ClusterResult, RemoteConfig, run_cluster
-from kvtier.sim.simulate import SimConfig, calibrate_time_scale, load_trace
 
 from kvtier.benchmarks.scheduler_sim import SPLIT_S, TUNED, policy_config  # the scheduling benchmark's tuned knobs
 
@@ -39,7 +44,7 @@ FAST_STORE = RemoteConfig(gbps=100.0, capacity_gb=1000.0, write_queue_mb=4096)
 
 def rows(reqs, base: SimConfig, n: int, scale: float) -> dict[str, ClusterResult]:
     best = TUNED["scheduler"]
-    pol = policy_config(TUNED["starvation_multiple"], TUNED["recompute_gpu_weight"])
+    pol = policy_config(TUNED)
     k = replace(base, scheduler=best, time_scale=scale, policy=pol)
     fp = replace(base, scheduler="fcfs+prefetch", time_scale=scale)
     plan = {
@@ -93,7 +98,10 @@ def ratios(runs: dict[str, ClusterResult]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace")
+    ap.add_argument("trace", help="Mooncake conversation trace (JSONL), at least 30 minutes, e.g. "
+                    "mooncake_conversation_first30min.jsonl: the first 30 minutes of conversation_trace.jsonl "
+                    "from https://github.com/kvcache-ai/Mooncake (FAST25-release/traces); "
+                    "see docs/development.md")
     ap.add_argument("--replicas", default="2,4")
     ap.add_argument("--load", type=float, default=0.85)
     ap.add_argument("--profile", default="llama3-8b-h100")

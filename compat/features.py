@@ -8,7 +8,7 @@ vLLM (importing it takes seconds and its import side effects differ between buil
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 from kvtier.compat.guard import installed_versions
 

@@ -13,7 +13,7 @@ after the load (so they cannot be evicted in between).
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Hashable, Iterable
+from collections.abc import Hashable, Iterable
 
 from kvtier.compat.matrix import version_tuple
 

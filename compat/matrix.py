@@ -12,9 +12,9 @@ import os
 import re
 import sys
 import tomllib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Iterable, Sequence
+from functools import cache
 
 MATRIX_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "matrix.toml")
 
@@ -100,7 +100,7 @@ def parse(data: dict) -> tuple[Combination, ...]:
     return tuple(out)
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(path: str = MATRIX_FILE) -> tuple[Combination, ...]:
     with open(path, "rb") as f:
         return parse(tomllib.load(f))

@@ -1,12 +1,14 @@
-"""The compatibility table: folds a matrix run's per-test reports into compat/results.json and README's table.
+"""The compatibility table: folds a matrix run's per-test reports into compat/results.json and the table of
+docs/compatibility.md.
 
     python3 compat/table.py out/compat/*.json          # what scripts/test.sh runs after the matrix
 
 Each report is what tests/conftest.py writes with `KVTIER_COMPAT_REPORT` (installed versions, and per test its
 outcome, markers and skip reason). Only tests marked `compat` count (the main environment runs the whole suite,
 its other tests are not compatibility checks). Results of combinations this run did not cover stay as they were
-in compat/results.json, so a default run refreshes its rows and keeps the full run's others. The README part
-between the compat-table markers is regenerated from results.json and compat/matrix.toml, never typed.
+in compat/results.json, so a default run refreshes its rows and keeps the full run's others. The part of
+docs/compatibility.md between the compat-table markers is regenerated from results.json and compat/matrix.toml,
+never typed.
 Standard library only (runs with the system Python, outside every environment).
 """
 
@@ -19,7 +21,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "compat", "results.json")
-README = os.path.join(ROOT, "README.md")
+DOC = os.path.join(ROOT, "docs", "compatibility.md")
 BEGIN, END = "<!-- compat-table:begin -->", "<!-- compat-table:end -->"
 
 #: check -> what it proves, in table order; tests are assigned by `needs` marker first, then by test id prefix
@@ -132,9 +134,9 @@ def render(results: dict, combos) -> str:
     return "\n".join(out)
 
 
-def update_readme(text: str, table: str) -> str:
+def update_doc(text: str, table: str) -> str:
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} section")
+        raise SystemExit(f"{os.path.relpath(DOC, ROOT)} has no {BEGIN} ... {END} section")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{table}\n{END}{tail}"
@@ -157,11 +159,11 @@ def main(argv: list[str]) -> int:
         json.dump(results, f, indent=1, sort_keys=True)
         f.write("\n")
     table = render(results, combos)
-    with open(README) as f:
+    with open(DOC) as f:
         text = f.read()
-    new = update_readme(text, table)
+    new = update_doc(text, table)
     if new != text:
-        with open(README, "w") as f:
+        with open(DOC, "w") as f:
             f.write(new)
     print(table)
     return 0

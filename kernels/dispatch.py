@@ -20,8 +20,9 @@ stream) before reading a gathered host buffer on the CPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
@@ -62,7 +63,7 @@ def _as_index(x: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def _flat_storage(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def flat_storage(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A flat tensor of ``dtype`` (default ``t``'s) over the whole storage ``t`` lives in."""
     dtype = t.dtype if dtype is None else dtype
     storage = t.untyped_storage()
@@ -168,7 +169,7 @@ class PageMover:
             groups.setdefault(c.host.untyped_storage().data_ptr(), []).append(c)
         plans = []
         for members in groups.values():
-            base = _flat_storage(members[0].host)
+            base = flat_storage(members[0].host)
             base_ptr = base.data_ptr()
             esize = base.element_size()
             offs: list[int] = []

@@ -24,8 +24,8 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -264,7 +264,7 @@ class PageFirstLayout:
         check_dtype(self.dtype)
 
     @classmethod
-    def for_kv(cls, kv: PagedKVLayout, page_tokens: int) -> "PageFirstLayout":
+    def for_kv(cls, kv: PagedKVLayout, page_tokens: int) -> PageFirstLayout:
         return cls(kv.num_layers, kv.num_heads, kv.head_dim, page_tokens, kv.dtype)
 
     @property

@@ -9,7 +9,7 @@ same-width integers, so every dtype (fp8 included) is copied bit-exactly.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from kvtier.replay.runner import ReplayClock, build_policy, host_key_sequence, parse_capacity, simulate
 from kvtier.replay.traces import TraceRequest, read_trace, unique_blocks

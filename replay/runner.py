@@ -24,9 +24,11 @@ import math
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
+from kvtier.replay import vllm_offload
+from kvtier.replay.traces import TraceRequest, read_trace, unique_blocks
 from kvtier.storage_backends.eviction.base import (
     POLICY_REGISTRY,
     EvictionPolicy,
@@ -34,8 +36,6 @@ from kvtier.storage_backends.eviction.base import (
     production_policy_names,
 )
 from kvtier.storage_backends.ssd.index import ChunkMeta, SlotIndex
-from kvtier.replay import vllm_offload
-from kvtier.replay.traces import TraceRequest, read_trace, unique_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -406,7 +406,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(results: Sequence[ReplayResult]) -> str:
-    head = f"{'policy':<14} {'host cap':>9} {'blocks':>8} {'hit rate':>9} {'ssd hits':>9} {'evictions':>10} {'time s':>7}"
+    head = (f"{'policy':<14} {'host cap':>9} {'blocks':>8} {'hit rate':>9} {'ssd hits':>9} {'evictions':>10} "
+            f"{'time s':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(

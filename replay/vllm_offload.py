@@ -21,8 +21,8 @@ both have it); `available()` says whether it does.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from kvtier.replay.traces import TraceRequest
 

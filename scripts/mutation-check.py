@@ -9,27 +9,220 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MUTS = [
- ("journal fsync removed", "storage_backends/ssd/slot_io.py", "self.journal.append(records, sync=self.durable)", "self.journal.append(records, sync=False)", "tests/test_ssd_durability.py"),
- ("data fdatasync removed", "storage_backends/ssd/slot_io.py", "                    self.files.sync(fd)\n", "                    pass\n", "tests/test_ssd_durability.py"),
- ("bad-CRC journal record accepted", "storage_backends/ssd/slot_format.py", "                if crc32(payload) == crc:", "                if True:", "tests/test_ssd_faults.py tests/test_ssd_fuzz.py"),
- ("indexed after failed journal append", "storage_backends/ssd/tier.py", '''                    reasons = ["io_error" if why is None else why for why in reasons]''', '''                    pass''', "tests/test_ssd_faults.py"),
- ("dup check only before waiting (defect 1)", "storage_backends/ssd/write_queue.py", "        while True:\n            if self.closed:\n                return Submitted.CLOSED\n            if task.key in self._pending or self._is_stored(task.key):\n                return Submitted.DUPLICATE\n", "        if task.key in self._pending or self._is_stored(task.key):\n            return Submitted.DUPLICATE\n        while True:\n            if self.closed:\n                return Submitted.CLOSED\n", "tests/test_ssd_faults.py::test_same_key_from_two_threads_under_backpressure_is_stored_once"),
- ("double commit leaks old slot", "storage_backends/ssd/index.py", "            if old is not None:\n                self._drop(key, old, None)\n            self._entries[key] = Entry", "            self._entries[key] = Entry", "tests/test_ssd_faults.py::test_a_key_committed_twice_frees_the_older_slot"),
- ("journal stops at first bad record (defect 2)", "storage_backends/ssd/slot_format.py", "        nxt = next((p for p in range(pos + 1, n - _REC_FRAME.size + 1) if _record_at(data, p) is not None), None)", "        nxt = None", "tests/test_ssd_faults.py tests/test_ssd_fuzz.py"),
- ("records not range-checked (defect 3)", "storage_backends/ssd/slot_format.py", "Slot = Annotated[int, msgspec.Meta(ge=0)]\nGen = Annotated[int, msgspec.Meta(ge=1, lt=MAX_GENERATION)]\nSize = Annotated[int, msgspec.Meta(ge=0)]\nDim = Annotated[int, msgspec.Meta(ge=0)]\nName = Annotated[str, msgspec.Meta(min_length=1)]\nSeg = Annotated[int, msgspec.Meta(gt=0, le=MAX_SEGMENT_BYTES, multiple_of=_SEG_ALIGN)]", "Slot = Gen = Size = Dim = Seg = int\nName = str", "tests/test_ssd_faults.py tests/test_ssd_fuzz.py"),
- ("links followed (defect 4)", "storage_backends/ssd/posix_io.py", "    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)", "    return os.open(path, flags | os.O_CLOEXEC, mode)", "tests/test_ssd_faults.py"),
- ("world-writable dir kept (defect 4)", "storage_backends/ssd/directory.py", "    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):", "    if False:", "tests/test_ssd_faults.py"),
- ("FREE append raises (defect 5)", "storage_backends/ssd/slot_io.py", "        except OSError as e:\n            self.episodes.occurred(\"journal-free\"", "        except ValueError as e:\n            self.episodes.occurred(\"journal-free\"", "tests/test_ssd_faults.py"),
- ("disk-full never retried (defect 5)", "storage_backends/ssd/tier.py", "            idx.restore_limit()\n", "            pass\n", "tests/test_ssd_faults.py"),
- ("one bad chunk fails its batch (defect 6)", "storage_backends/ssd/slot_io.py", "                out[i] = \"too_large\"\n                continue", "                raise", "tests/test_ssd_faults.py"),
- ("device read leaks reader (defect 7)", "storage_backends/ssd/tier.py", "        finally:\n            self.index.end_read([key], [e], [verdict], [e is not None and verdict is None])\n        return e is not None and verdict is None", "        except Exception:\n            raise\n        if verdict is None: self.index.end_read([key], [e], [verdict], [e is not None and verdict is None])\n        return e is not None and verdict is None", "tests/test_ssd_faults.py"),
- ("key check removed", "storage_backends/ssd/slot_io.py", "        if h.key != it.key:", "        if False:", "tests/test_ssd_faults.py tests/test_ssd_fuzz.py"),
- ("RPC stops at first error (defect 8)", "connector/rpc.py", "            elif \"error\" in rep:\n                errors.append", "            elif \"error\" in rep:\n                raise RPCError(rep['error'])\n                errors.append", "tests/test_connector_config.py"),
- ("chunk_format unchecked (defect 9)", "storage_backends/config.py", "    if \"chunk_format\" in values:\n        _check_chunk_format", "    if False:\n        _check_chunk_format", "tests/test_lmcache_plugin.py::test_unknown_key_fails_plugin_construction_loudly_in_check_config"),
- ("stale records win", "storage_backends/ssd/index.py", "                    if (old is not None and entries[old].gen >= rec.gen) or (prev is not None and prev.gen >= rec.gen):", "                    if False:", "tests/test_ssd_fuzz.py"),
- ("compaction beside commits unlocked", "storage_backends/ssd/tier.py", "            with self._commit_lock:\n                if self.io.records_written >", "            if True:\n                if self.io.records_written >", "tests/test_ssd_durability.py::test_journal_compaction_never_drops_a_commit_on_its_way_to_the_index"),
- ("no pin release check (concurrency)", "storage_backends/ssd/index.py", "            e.pins.pop(0)\n            return True", "            return True", "tests/test_ssd_concurrency.py"),
+MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
+    (
+        'journal fsync removed',
+        'storage_backends/ssd/slot_io.py',
+        'self.journal.append(records, sync=self.durable)',
+        'self.journal.append(records, sync=False)',
+        'tests/test_ssd_durability.py',
+    ),
+    (
+        'data fdatasync removed',
+        'storage_backends/ssd/slot_io.py',
+        '                    self.files.sync(fd)\n',
+        '                    pass\n',
+        'tests/test_ssd_durability.py',
+    ),
+    (
+        'bad-CRC journal record accepted',
+        'storage_backends/ssd/slot_format.py',
+        '                if crc32(payload) == crc:',
+        '                if True:',
+        'tests/test_ssd_faults.py tests/test_ssd_fuzz.py',
+    ),
+    (
+        'indexed after failed journal append',
+        'storage_backends/ssd/tier.py',
+        '                    reasons = ["io_error" if why is None else why for why in reasons]',
+        '                    pass',
+        'tests/test_ssd_faults.py',
+    ),
+    (
+        'dup check only before waiting (defect 1)',
+        'storage_backends/ssd/write_queue.py',
+        (
+            '        while True:\n'
+            '            if self.closed:\n'
+            '                return Submitted.CLOSED\n'
+            '            if task.key in self._pending or self._is_stored(task.key):\n'
+            '                return Submitted.DUPLICATE\n'
+        ),
+        (
+            '        if task.key in self._pending or self._is_stored(task.key):\n'
+            '            return Submitted.DUPLICATE\n'
+            '        while True:\n'
+            '            if self.closed:\n'
+            '                return Submitted.CLOSED\n'
+        ),
+        'tests/test_ssd_faults.py::test_same_key_from_two_threads_under_backpressure_is_stored_once',
+    ),
+    (
+        'double commit leaks old slot',
+        'storage_backends/ssd/index.py',
+        (
+            '            if old is not None:\n'
+            '                self._drop(key, old, None)\n'
+            '            self._entries[key] = Entry'
+        ),
+        '            self._entries[key] = Entry',
+        'tests/test_ssd_faults.py::test_a_key_committed_twice_frees_the_older_slot',
+    ),
+    (
+        'journal stops at first bad record (defect 2)',
+        'storage_backends/ssd/slot_format.py',
+        (
+            '        nxt = next((p for p in range(pos + 1, n - _REC_FRAME.size + 1) if _record_at(data, p) is not'
+            ' None), None)'
+        ),
+        '        nxt = None',
+        'tests/test_ssd_faults.py tests/test_ssd_fuzz.py',
+    ),
+    (
+        'records not range-checked (defect 3)',
+        'storage_backends/ssd/slot_format.py',
+        (
+            'Slot = Annotated[int, msgspec.Meta(ge=0)]\n'
+            'Gen = Annotated[int, msgspec.Meta(ge=1, lt=MAX_GENERATION)]\n'
+            'Size = Annotated[int, msgspec.Meta(ge=0)]\n'
+            'Dim = Annotated[int, msgspec.Meta(ge=0)]\n'
+            'Name = Annotated[str, msgspec.Meta(min_length=1)]\n'
+            'Seg = Annotated[int, msgspec.Meta(gt=0, le=MAX_SEGMENT_BYTES, multiple_of=_SEG_ALIGN)]'
+        ),
+        (
+            'Slot = Gen = Size = Dim = Seg = int\n'
+            'Name = str'
+        ),
+        'tests/test_ssd_faults.py tests/test_ssd_fuzz.py',
+    ),
+    (
+        'links followed (defect 4)',
+        'storage_backends/ssd/posix_io.py',
+        '    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)',
+        '    return os.open(path, flags | os.O_CLOEXEC, mode)',
+        'tests/test_ssd_faults.py',
+    ),
+    (
+        'world-writable dir kept (defect 4)',
+        'storage_backends/ssd/directory.py',
+        '    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):',
+        '    if False:',
+        'tests/test_ssd_faults.py',
+    ),
+    (
+        'FREE append raises (defect 5)',
+        'storage_backends/ssd/slot_io.py',
+        (
+            '        except OSError as e:\n'
+            '            self.episodes.occurred("journal-free"'
+        ),
+        (
+            '        except ValueError as e:\n'
+            '            self.episodes.occurred("journal-free"'
+        ),
+        'tests/test_ssd_faults.py',
+    ),
+    (
+        'disk-full never retried (defect 5)',
+        'storage_backends/ssd/tier.py',
+        '            idx.restore_limit()\n',
+        '            pass\n',
+        'tests/test_ssd_faults.py',
+    ),
+    (
+        'one bad chunk fails its batch (defect 6)',
+        'storage_backends/ssd/slot_io.py',
+        (
+            '                out[i] = "too_large"\n'
+            '                continue'
+        ),
+        '                raise',
+        'tests/test_ssd_faults.py',
+    ),
+    (
+        'device read leaks reader (defect 7)',
+        'storage_backends/ssd/tier.py',
+        (
+            '        finally:\n'
+            '            self.index.end_read([key], [e], [verdict], [e is not None and verdict is None])\n'
+            '        return e is not None and verdict is None'
+        ),
+        (
+            '        except Exception:\n'
+            '            raise\n'
+            '        if verdict is None: self.index.end_read([key], [e], [verdict], [e is not None and verdict is'
+            ' None])\n'
+            '        return e is not None and verdict is None'
+        ),
+        'tests/test_ssd_faults.py',
+    ),
+    (
+        'key check removed',
+        'storage_backends/ssd/slot_io.py',
+        '        if h.key != it.key:',
+        '        if False:',
+        'tests/test_ssd_faults.py tests/test_ssd_fuzz.py',
+    ),
+    (
+        'RPC stops at first error (defect 8)',
+        'connector/rpc.py',
+        (
+            '            if isinstance(rep, Failed):\n'
+            '                errors.append'
+        ),
+        (
+            '            if isinstance(rep, Failed):\n'
+            '                raise RPCError(rep.error)\n'
+            '                errors.append'
+        ),
+        'tests/test_connector_config.py',
+    ),
+    (
+        'chunk_format unchecked (defect 9)',
+        'storage_backends/config.py',
+        (
+            '    if "chunk_format" in values:\n'
+            '        _check_chunk_format'
+        ),
+        (
+            '    if False:\n'
+            '        _check_chunk_format'
+        ),
+        'tests/test_lmcache_plugin.py::test_unknown_key_fails_plugin_construction_loudly_in_check_config',
+    ),
+    (
+        'stale records win',
+        'storage_backends/ssd/index.py',
+        (
+            '                    if (old is not None and entries[old].gen >= rec.gen) or (prev is not None and pr'
+            'ev.gen >= rec.gen):'
+        ),
+        '                    if False:',
+        'tests/test_ssd_fuzz.py',
+    ),
+    (
+        'compaction beside commits unlocked',
+        'storage_backends/ssd/tier.py',
+        (
+            '            with self._commit_lock:\n'
+            '                if self.io.records_written >'
+        ),
+        (
+            '            if True:\n'
+            '                if self.io.records_written >'
+        ),
+        'tests/test_ssd_durability.py::test_journal_compaction_never_drops_a_commit_on_its_way_to_the_index',
+    ),
+    (
+        'no pin release check (concurrency)',
+        'storage_backends/ssd/index.py',
+        (
+            '            e.pins.pop(0)\n'
+            '            return True'
+        ),
+        '            return True',
+        'tests/test_ssd_concurrency.py',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu")
@@ -40,13 +233,15 @@ for name, f, old, new, tests in MUTS:
     p = os.path.join(ROOT, f)
     src = open(p).read()
     if src.count(old) != 1:
-        print(f"[SKIP] {name}: pattern found {src.count(old)} times"); continue
+        print(f"[SKIP] {name}: pattern found {src.count(old)} times")
+        continue
     backup = os.path.join(tempfile.gettempdir(), "kvtier-mutation-backup")
     shutil.copy(p, backup)
     try:
         open(p, "w").write(src.replace(old, new))
-        r = subprocess.run(f"timeout 600 .venv/bin/pytest -p no:warnings -q -x {tests}", shell=True, cwd=ROOT, env=env, capture_output=True, text=True)
-        last = [l for l in r.stdout.splitlines() if l.strip()][-1:] 
+        r = subprocess.run(f"timeout 600 .venv/bin/pytest -p no:warnings -q -x {tests}", shell=True, cwd=ROOT,
+                           env=env, capture_output=True, text=True)
+        last = [line for line in r.stdout.splitlines() if line.strip()][-1:]
         print(f"[{'CAUGHT' if r.returncode else 'MISSED'}] {name}: {last}", flush=True)
         missed += r.returncode == 0
     finally:

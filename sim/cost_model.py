@@ -3,7 +3,7 @@
 Everything is derived from a few hardware and model numbers (kept in `HardwareSpec` / `ModelSpec` so a reader can
 check the arithmetic), then frozen into a `CostProfile` that the simulator queries.
 
-GPU compute (one GPU, prefills served one at a time; see `kvtier.sim.simulate` for the queueing model):
+GPU compute (one GPU, prefills served one at a time; see `kvtier.sim.engine` for the queueing model):
 - prefill of `n` new tokens after `c` cached ones:
       overhead + n * linear_s_per_token + attn_s_per_pair * n * (c + n / 2)
   linear_s_per_token = 2 * params / (peak_flops * mfu)          (the matmuls of every weight, per token)
@@ -98,7 +98,8 @@ class CostProfile:
         n = max(int(new_tokens), 0)
         if n == 0:
             return 0.0
-        return self.prefill_overhead_s + n * self.linear_s_per_token + self.attn_s_per_pair * n * (cached_tokens + n / 2)
+        return (self.prefill_overhead_s + n * self.linear_s_per_token
+                + self.attn_s_per_pair * n * (cached_tokens + n / 2))
 
     def host_to_gpu_time(self, nbytes: float) -> float:
         return nbytes / self.pcie_bytes_per_s
@@ -179,7 +180,8 @@ def build_profile(
 
 LLAMA3_8B = ModelSpec("Llama-3-8B", params=8.03e9, layers=32, heads=32, kv_heads=8, head_dim=128)
 OPT_13B = ModelSpec("OPT-13B", params=12.85e9, layers=40, heads=40, kv_heads=40, head_dim=128)
-H100_80G = HardwareSpec("H100-SXM-80GB", peak_flops=989e12, mfu=0.5, hbm_bytes_per_s=3.35e12 * 0.7, gpu_mem_bytes=80 * GB)
+H100_80G = HardwareSpec("H100-SXM-80GB", peak_flops=989e12, mfu=0.5, hbm_bytes_per_s=3.35e12 * 0.7,
+                        gpu_mem_bytes=80 * GB)
 A800_80G = HardwareSpec("A800-80GB", peak_flops=312e12, mfu=0.5, hbm_bytes_per_s=2.04e12 * 0.7, gpu_mem_bytes=80 * GB)
 
 PROFILES: dict[str, CostProfile] = {

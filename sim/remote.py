@@ -1,11 +1,13 @@
 """A tier shared by several engines in `kvtier simulate` (issue 13): N replicas, one shared store.
 
-`Cluster` runs N replicas of the simulator (`kvtier.sim.simulate.Simulator`: each its own GPU queue, scheduling
+`Cluster` runs N replicas of the simulator (`kvtier.sim.engine.Simulator`: each its own GPU queue, scheduling
 policy, host tier and SSD tier) on one clock, in front of one `SimRemoteStore` that all of them share, as vLLM
-replicas behind a router share one Redis / Valkey store through kvtier's connector.
+replicas behind a router share one Redis / Valkey store through kvtier's connector. Each replica sees the store
+through a `RemoteView`, the engine's plug-in point for a shared tier (`kvtier.sim.base.SharedTierView`): this
+module imports the engine, never the reverse. The command line (`--replicas`, `--remote*`) is `kvtier.sim.simulate`.
 
 The modelled store (the simulator's choices, documented so results can be judged):
-- Capacity `capacity_gb`, evicted LRU by the store itself (Redis `maxmemory-policy allkeys-lru`, the README's
+- Capacity `capacity_gb`, evicted LRU by the store itself (Redis `maxmemory-policy allkeys-lru`, docs/shared-tier.md's
   configuration; kvtier coordinates no global eviction). A read touches its chunks (LRU order); a lookup does not.
 - The link: one store reached over a network of `gbps` gigabits per second per direction (full duplex: reads and
   writes do not slow each other; every replica's reads share the one direction FIFO, every replica's writes the
@@ -36,23 +38,21 @@ The modelled store (the simulator's choices, documented so results can be judged
 
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
 import logging
 import math
-import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Collection, Sequence
 
-from kvtier.sim.simulate import TRACE_BLOCK_TOKENS, SimConfig, SimRequest, SimResult, Simulator, _percentile
+from kvtier.scheduler_hooks.hint_derivation import PrefixResidency
+from kvtier.sim.base import TRACE_BLOCK_TOKENS, GpuJob, SimConfig, SimRequest, SimResult, percentile
+from kvtier.sim.engine import Simulator
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ROUTINGS", "Cluster", "ClusterResult", "RemoteConfig", "RemoteResidency", "RemoteView", "SimRemoteStore",
-           "add_arguments", "remote_config", "route", "run_cluster", "wanted"]
+           "route", "run_cluster"]
 
 ROUTINGS = ("round-robin", "sticky")
 #: `sticky` routing's bound: a replica that has received more than this x its share of the requests routed so far
@@ -235,7 +235,7 @@ class SimRemoteStore:
 
 
 class RemoteView:
-    """The shared store as one replica's simulator uses it (the hooks `Simulator` calls when `remote` is set)."""
+    """The shared store as one replica's simulator uses it (`SharedTierView`: what `Simulator` calls on `remote`)."""
 
     def __init__(self, store: SimRemoteStore, replica: int) -> None:
         self.store = store
@@ -255,7 +255,8 @@ class RemoteView:
             out.append(b)
         return out
 
-    def extend_walk(self, r: SimRequest, res, stop: int, staged) -> tuple[RemoteResidency, int]:
+    def extend_walk(self, r: SimRequest, res: PrefixResidency, stop: int,
+                    staged: Collection[int]) -> tuple[PrefixResidency, int]:
         """The local walk `res` ended at block `stop` (resident in neither local tier): add the store's run."""
         sim = self.sim
         data = self.store.data
@@ -274,7 +275,7 @@ class RemoteView:
         sim = self.sim
         self.store.read(sim.now, blocks, lambda t, sizes: sim.external(t, sim._on_remote_done, rid, blocks, sizes))
 
-    def read_sync(self, job) -> None:
+    def read_sync(self, job: GpuJob) -> None:
         sim = self.sim
         per = job.sync_remote_bytes // max(len(job.sync_remote_blocks), 1)
         self.store.read(sim.now, job.sync_remote_blocks, lambda t, _sizes: sim.external(t, sim._compute, job, t), per)
@@ -399,8 +400,8 @@ class Cluster:
             remote=asdict(self.remote_config) if self.remote_config is not None else None,
             time_scale=self.config.time_scale, requests=sum(r.requests for r in results),
             completed=sum(r.completed for r in results), rejected=sum(r.rejected for r in results),
-            mean_queue_s=sum(q) / len(q) if q else 0.0, p99_queue_s=_percentile(q, 99), max_queue_s=max(q, default=0.0),
-            mean_ttft_s=sum(tt) / len(tt) if tt else 0.0, p99_ttft_s=_percentile(tt, 99), hits=hits,
+            mean_queue_s=sum(q) / len(q) if q else 0.0, p99_queue_s=percentile(q, 99), max_queue_s=max(q, default=0.0),
+            mean_ttft_s=sum(tt) / len(tt) if tt else 0.0, p99_ttft_s=percentile(tt, 99), hits=hits,
             recomputed_tokens=sum(r.recomputed_tokens for r in results),
             remote_stats=self.store.stats(span) if self.store is not None else None, per_replica=results)
 
@@ -408,81 +409,3 @@ class Cluster:
 def run_cluster(requests: Sequence[SimRequest], config: SimConfig, replicas: int = 1, routing: str = "round-robin",
                 remote: RemoteConfig | None = None) -> ClusterResult:
     return Cluster(requests, config, replicas, routing, remote).run()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# command line (hooked into `kvtier simulate`)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = RemoteConfig()
-    parser.add_argument("--replicas", type=int, default=1, help="engine replicas, each with its own GPU, host and SSD "
-                        "tier (default 1); the default time scale is divided by this")
-    parser.add_argument("--routing", default="round-robin", choices=ROUTINGS, help="how requests reach replicas")
-    parser.add_argument("--remote", action="store_true", help="add a tier shared by all replicas (defaults below)")
-    parser.add_argument("--remote-gbps", type=float, default=None,
-                        help=f"shared tier's link, gigabits/s per direction (implies --remote; default {d.gbps:g}: 10GbE)")
-    parser.add_argument("--remote-latency-ms", type=float, default=None,
-                        help=f"shared tier's latency per operation (implies --remote; default {d.latency_ms:g})")
-    parser.add_argument("--remote-gb", type=float, default=None,
-                        help=f"shared tier's capacity, GB, LRU (implies --remote; default {d.capacity_gb:g})")
-    parser.add_argument("--remote-write-queue-mb", type=int, default=None,
-                        help=f"writes queued per replica before they are dropped, MiB (implies --remote; default "
-                             f"{d.write_queue_mb}: production's kvtier.shared.max_queued_write_mb)")
-
-
-def remote_config(args: argparse.Namespace) -> RemoteConfig | None:
-    given = {k: v for k, v in (("gbps", args.remote_gbps), ("latency_ms", args.remote_latency_ms),
-                               ("capacity_gb", args.remote_gb), ("write_queue_mb", args.remote_write_queue_mb))
-             if v is not None}
-    if not (args.remote or given):
-        return None
-    try:
-        return RemoteConfig(**given)
-    except ValueError as e:
-        raise SystemExit(f"kvtier simulate: {e}") from None
-
-
-def wanted(args: argparse.Namespace) -> bool:
-    return getattr(args, "replicas", 1) != 1 or remote_config(args) is not None
-
-
-def print_table(results: Sequence[ClusterResult]) -> None:
-    print(f"{'scheduler':<22}{'tiers':<14}{'done':>6}{'queue mean':>11}{'p99':>8}{'TTFT p99':>9}"
-          f"{'gpu Mtok':>9}{'host':>7}{'ssd':>7}{'remote':>7}{'computed':>9}")
-    for r in results:
-        tiers = "none" if r.scheduler == "recompute" else ("local+remote" if r.remote else "local")
-        h = r.hits
-        print(f"{r.scheduler:<22}{tiers:<14}{r.completed:>6}{r.mean_queue_s:>11.2f}{r.p99_queue_s:>8.2f}"
-              f"{r.p99_ttft_s:>9.2f}{h['gpu'] / 1e6:>9.2f}{h['host'] / 1e6:>7.2f}{h['ssd'] / 1e6:>7.2f}"
-              f"{h['remote'] / 1e6:>7.2f}{h['computed'] / 1e6:>9.2f}")
-        if r.remote_stats:
-            s = r.remote_stats
-            print(f"{'':<22}store: read {s['read_gb']:.0f} GB, wrote {s['written_gb']:.0f} GB, dropped "
-                  f"{s['dropped_write_gb']:.0f} GB ({s['dropped_writes']} writes), {s['evictions']} evictions; "
-                  f"link busy: reads {s['read_link_util']:.0%}, writes {s['write_link_util']:.0%}")
-
-
-def run(args: argparse.Namespace, reqs: Sequence[SimRequest], base: SimConfig, names: Sequence[str],
-        scale: float) -> int:
-    """`kvtier simulate` with --replicas / --remote: every scheduler on the cluster."""
-    remote = remote_config(args)
-    try:
-        route([], args.replicas, args.routing)
-    except ValueError as e:
-        raise SystemExit(f"kvtier simulate: {e}") from None
-    scale = scale if args.time_scale is not None else scale / args.replicas
-    print(f"{args.replicas} replica(s), routing {args.routing}, shared tier: "
-          f"{asdict(remote) if remote else 'none'}; time scale {scale:.3f}")
-    results = []
-    t0 = time.perf_counter()
-    for n in names:
-        results.append(run_cluster(reqs, replace(base, scheduler=n, time_scale=scale), args.replicas, args.routing,
-                                   remote))
-    print_table(results)
-    print(f"  [{time.perf_counter() - t0:.1f} s]")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"time_scale": scale, "runs": [r.to_json() for r in results]},
-                                                  indent=2) + "\n")
-        print(f"wrote {args.json_out}")
-    return 0 if all(r.completed + r.rejected == r.requests for r in results) else 1

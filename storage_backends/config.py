@@ -1,6 +1,6 @@
 """kvtier's settings: the `kvtier.*` keys of LMCache's `extra_config`, parsed into a typed, validated dataclass.
 
-Every key is documented in `KEYS` (also rendered into the README). Unknown `kvtier.*` keys, wrong types and
+Every key is documented in `KEYS` (the tables of docs/configuration.md). Unknown `kvtier.*` keys, wrong types and
 out-of-range values raise `ConfigError` naming the key and the fix: LMCache only logs a plugin constructor's
 exception, so `kvtier check-config` (and the vLLM connector) call `parse_kvtier_config` up front to fail loudly.
 The same keys, without the prefix, are the `adapter_params` of the LMCache multiprocess-mode L2 adapter
@@ -10,8 +10,9 @@ The same keys, without the prefix, are the `adapter_params` of the LMCache multi
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 PREFIX = "kvtier."
 #: `kvtier.<section>` keys holding a mapping of another component's options (parsed there, not SSD-tier keys)
@@ -149,7 +150,7 @@ def _build(merged: dict[str, Any], label: Callable[[str], str], where: str, exam
                  for u in unknown]
         raise ConfigError(
             f"unknown key(s) {', '.join(label(u) + h for u, h in zip(unknown, hints))}; kvtier knows "
-            f"{', '.join(label(k) for k in known)} (see README, 'Configuration')"
+            f"{', '.join(label(k) for k in known)} (see docs/configuration.md)"
         )
     missing = [k.name for k in KEYS if k.required and k.name not in merged]
     if missing:

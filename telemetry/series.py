@@ -14,7 +14,8 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -23,7 +24,7 @@ from prometheus_client.utils import floatToGoString
 _lock = threading.Lock()
 #: (family, sample name, sorted label items) -> change since the last take (counters, histograms) or last value
 _changes: dict[tuple[str, str, tuple], float] = {}
-_SERIES: list["Series"] = []
+_SERIES: list[Series] = []
 
 
 class Series:
@@ -32,7 +33,7 @@ class Series:
     kind = ""
 
     def __init__(self, prom: MetricWrapperBase, name: str, doc: str, labelnames: Sequence[str] = (),
-                 labelvalues: tuple[str, ...] = (), parent: "Series | None" = None) -> None:
+                 labelvalues: tuple[str, ...] = (), parent: Series | None = None) -> None:
         self.prom, self.doc, self.labelnames, self.labelvalues = prom, doc, tuple(labelnames), labelvalues
         # the family name prometheus_client exposes (a counter's without its "_total")
         self.family = parent.family if parent is not None else (
@@ -41,7 +42,7 @@ class Series:
         if parent is None:
             _SERIES.append(self)
 
-    def labels(self, *values: Any) -> "Series":
+    def labels(self, *values: Any) -> Series:
         values = tuple(str(v) for v in values)
         return type(self)(self.prom.labels(*values), "", self.doc, self.labelnames, values, parent=self)
 
@@ -72,7 +73,7 @@ class HistogramSeries(Series):
     kind = "histogram"
 
     def __init__(self, prom: MetricWrapperBase, name: str, doc: str, labelnames: Sequence[str] = (),
-                 labelvalues: tuple[str, ...] = (), parent: "Series | None" = None,
+                 labelvalues: tuple[str, ...] = (), parent: Series | None = None,
                  buckets: Sequence[float] = ()) -> None:
         super().__init__(prom, name, doc, labelnames, labelvalues, parent)
         self.bounds = list(parent.bounds) if isinstance(parent, HistogramSeries) else [float(b) for b in buckets]
@@ -80,7 +81,7 @@ class HistogramSeries(Series):
             self.bounds.append(float("inf"))
         self._le = [floatToGoString(b) for b in self.bounds]
 
-    def labels(self, *values: Any) -> "HistogramSeries":
+    def labels(self, *values: Any) -> HistogramSeries:
         values = tuple(str(v) for v in values)
         return HistogramSeries(self.prom.labels(*values), "", self.doc, self.labelnames, values, parent=self)
 

@@ -72,10 +72,10 @@ class MPServer:
             cmd += ["--l2-adapter", json.dumps(a)]
         return cmd + self.extra_args
 
-    def start(self) -> "MPServer":
+    def start(self) -> MPServer:
         return self.launch().wait_ready()
 
-    def launch(self) -> "MPServer":
+    def launch(self) -> MPServer:
         """Start the process without waiting for it (`wait_ready` waits): servers can start side by side."""
         env = dict(os.environ, LMCACHE_TRACK_USAGE="false", LMCACHE_DISABLE_BANNER="1")
         self._log = open(self.log_path, "ab")
@@ -84,7 +84,7 @@ class MPServer:
         self._launched = time.monotonic()
         return self
 
-    def wait_ready(self) -> "MPServer":
+    def wait_ready(self) -> MPServer:
         """Until the HTTP admin API answers (`start_timeout` from `launch`); stops the server if it does not."""
         deadline = self._launched + self.start_timeout
         while time.monotonic() < deadline:
@@ -119,7 +119,7 @@ class MPServer:
         self._log.close()
         return self.returncode
 
-    def __enter__(self) -> "MPServer":
+    def __enter__(self) -> MPServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -77,7 +77,7 @@ class RedisServer:
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout)
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +135,7 @@ class RedisServer:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

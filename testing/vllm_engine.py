@@ -24,8 +24,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 #: the tests' tiny random Llama (2 layers, 2 KV heads of 32): 512 bytes of fp32 KV per token and layer pair
@@ -130,7 +130,8 @@ class EngineProcess:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self._kill()
-            raise EngineFailed(f"engine {self.name} did not stop within {timeout} s:\n{self.log_text()[-6000:]}")
+            log = self.log_text()[-6000:]
+            raise EngineFailed(f"engine {self.name} did not stop within {timeout} s:\n{log}") from None
         self._pump_thread.join(30)
         return rc
 
@@ -255,7 +256,7 @@ def _serve(args_path: str) -> None:
                     rec["logprobs"] = [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)]
                 out["outputs"].append(rec)
             if cmd["flush"] and conn is not None:  # queued saves and SSD writes land before the next command
-                conn.scheduler_side.client.call({"op": "flush", "timeout": 120})
+                conn.scheduler_side.flush(120)
                 out["drained_seconds"] = time.perf_counter() - t0
         else:  # stats
             out = conn.scheduler_side.snapshot() if conn is not None else {}

@@ -8,9 +8,9 @@ import pytest
 
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig
 from kvtier.scheduler_hooks.tier_hint import TierState
+from kvtier.sim.base import SimConfig, SimRequest
 from kvtier.sim.cost_model import get_profile
 from kvtier.sim.remote import Cluster, RemoteConfig, route
-from kvtier.sim.simulate import SimConfig, SimRequest
 
 COST = get_profile("llama3-8b-h100")
 BLOCK_BYTES = 512 * COST.kv_bytes_per_token  # one full 512-token block: 64 MiB
@@ -156,7 +156,7 @@ def test_cli_replicas_with_a_shared_tier(tmp_path, capsys):
 
 @pytest.mark.parametrize("scheduler", ["fcfs", "dual-queue+hrrn"])
 def test_one_replica_without_a_store_is_the_plain_simulator(scheduler):
-    from kvtier.sim.simulate import simulate
+    from kvtier.sim.engine import simulate
 
     reqs = conversation() + [req("x", 0.02, range(300, 330)), req("y", 0.03, [1, 2, 3, 700])]
     cfg = SimConfig(scheduler=scheduler, policy=NO_STARVE, gpu_kv_tokens=40_000)

@@ -10,16 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main as cli_main
-from kvtier.sim.cost_model import PROFILES, get_profile
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig
-from kvtier.sim.simulate import (
-    SimConfig,
-    SimRequest,
-    Simulator,
-    calibrate_time_scale,
-    load_trace,
-    simulate,
-)
+from kvtier.sim.base import SimConfig, SimRequest, load_trace
+from kvtier.sim.cost_model import PROFILES, get_profile
+from kvtier.sim.engine import Simulator, calibrate_time_scale, simulate
 
 NO_STARVE = DualQueueConfig(starvation_floor_s=1e9)
 COST = get_profile("llama3-8b-h100")

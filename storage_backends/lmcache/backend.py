@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Any, Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from lmcache.utils import CacheEngineKey
@@ -116,13 +117,13 @@ class KVTierBackend(StoragePluginInterface):
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         return self.tier is not None and self.tier.contains(key.to_string(), pin)
 
-    def batched_contains(self, keys: List[CacheEngineKey], pin: bool = False) -> int:
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         if self.tier is None:
             return 0
         # A pinned lookup is a request's lookup of its prefix chain (LMCache's retrieve-time checks do not pin).
         return self.tier.prefix_contains([k.to_string() for k in keys], pin, request=pin)
 
-    async def batched_async_contains(self, lookup_id: str, keys: List[CacheEngineKey], pin: bool = False) -> int:
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
         if self.tier is None:
             return 0
         strs = [k.to_string() for k in keys]
@@ -147,9 +148,9 @@ class KVTierBackend(StoragePluginInterface):
         pass
 
     # ----------------------------------------------------------------- puts
-    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: List[MemoryObj],
+    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj],
                                 transfer_spec: Any = None,
-                                on_complete_callback: Optional[Callable[[CacheEngineKey], None]] = None) -> None:
+                                on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> None:
         if self.tier is None:
             return None
         puts = []
@@ -187,22 +188,22 @@ class KVTierBackend(StoragePluginInterface):
             obj.metadata.cached_positions = torch.tensor(meta.extra["cached_positions"], dtype=torch.long)
         return obj.byte_array, obj
 
-    def read(self, keys: Sequence[CacheEngineKey], *, wait_for_memory: bool = True) -> list[Optional[MemoryObj]]:
+    def read(self, keys: Sequence[CacheEngineKey], *, wait_for_memory: bool = True) -> list[MemoryObj | None]:
         """Read chunks into LMCache host objects (one batched request). `wait_for_memory=False` never waits for
         room in a full host pool: those chunks come back as None (misses) instead."""
         return self._read(keys, wait_for_memory)
 
-    def _read(self, keys: Sequence[CacheEngineKey], busy_loop: bool) -> list[Optional[MemoryObj]]:
+    def _read(self, keys: Sequence[CacheEngineKey], busy_loop: bool) -> list[MemoryObj | None]:
         if self.tier is None:
             return [None] * len(keys)
         return self.tier.read_batch([k.to_string() for k in keys],
                                     lambda k, m: self._alloc(k, m, busy_loop),
                                     lambda obj: obj.ref_count_down())
 
-    def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         return self._read([key], True)[0]
 
-    def batched_get_blocking(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         return self._read(keys, True)
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],

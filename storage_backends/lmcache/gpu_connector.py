@@ -29,15 +29,15 @@ chunks; LMCache only uses it for statistics and in PD/P2P transfer paths, which 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any
 
 import torch
-
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, TensorMemoryObj
 
-from kvtier.kernels.dispatch import HostChunk, Impl, PageMover, _flat_storage
+from kvtier.kernels.dispatch import HostChunk, Impl, PageMover, flat_storage
 from kvtier.kernels.layout import KVLayoutKind, LayoutError, PageFirstLayout, validate_plan
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ChunkFormat:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, memory_obj: MemoryObj) -> "ChunkFormat":
+    def of(cls, memory_obj: MemoryObj) -> ChunkFormat:
         m = memory_obj.metadata
         return cls(m.fmt, torch.Size(m.shape), m.dtype)
 
@@ -119,8 +119,8 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         self.max_programs = max_programs
         self.num_warps = num_warps
         self.tile_elems = tile_elems
-        self.kvcaches: Optional[List[torch.Tensor]] = None
-        self._mover: Optional[PageMover] = None
+        self.kvcaches: list[torch.Tensor] | None = None
+        self._mover: PageMover | None = None
         self._mover_key: tuple = ()
         self.store_stream: Any = None
         self.load_stream: Any = None
@@ -134,7 +134,7 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         kind: KVLayoutKind | str,
         page_tokens: int,
         **kwargs: Any,
-    ) -> "PageFirstGPUConnector":
+    ) -> PageFirstGPUConnector:
         """Build from ``LMCacheMetadata`` (``kv_shape = (layers, 2, chunk, heads, head_dim)``)."""
         if getattr(metadata, "use_mla", False):
             raise LayoutError("the page-first connector does not support MLA caches")
@@ -164,9 +164,9 @@ class PageFirstGPUConnector(GPUConnectorInterface):
 
     def batched_from_gpu(
         self,
-        memory_objs: Union[List[List[MemoryObj]], List[MemoryObj]],
-        starts: List[int],
-        ends: List[int],
+        memory_objs: list[list[MemoryObj]] | list[MemoryObj],
+        starts: list[int],
+        ends: list[int],
         **kwargs: Any,
     ) -> None:
         objs = self._flat_objs(memory_objs)
@@ -188,9 +188,9 @@ class PageFirstGPUConnector(GPUConnectorInterface):
 
     def batched_to_gpu(
         self,
-        memory_objs: Union[List[List[MemoryObj]], List[MemoryObj], List[int], None] = None,
-        starts: Optional[List[int]] = None,
-        ends: Optional[List[int]] = None,
+        memory_objs: list[list[MemoryObj]] | list[MemoryObj] | list[int] | None = None,
+        starts: list[int] | None = None,
+        ends: list[int] | None = None,
         **kwargs: Any,
     ) -> None:
         if memory_objs is None or starts is None or ends is None:
@@ -211,7 +211,8 @@ class PageFirstGPUConnector(GPUConnectorInterface):
     # -- helpers ------------------------------------------------------------------------------------
 
     def check_chunk(self, memory_obj: MemoryObj, num_tokens: int) -> None:
-        """Raise :class:`PageFormatMismatch` unless ``memory_obj`` is this model's page-first chunk of ``num_tokens``."""
+        """Raise :class:`PageFormatMismatch` unless ``memory_obj`` is this model's page-first chunk of
+        ``num_tokens``."""
         meta = memory_obj.metadata
         if not is_page_first(memory_obj):
             raise PageFormatMismatch(
@@ -245,7 +246,7 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         if base is None:
             if len(self._host_views) >= self.MAX_HOST_VIEWS:
                 self._host_views.clear()
-            base = self._host_views[key] = _flat_storage(raw, self.pages.dtype)
+            base = self._host_views[key] = flat_storage(raw, self.pages.dtype)
         esize = base.element_size()
         offset, size = obj.data_ptr - key[0], obj.get_size()
         if offset % esize or size % esize:
@@ -253,8 +254,8 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         return base[offset // esize:(offset + size) // esize]
 
     @staticmethod
-    def _flat_objs(memory_objs: Sequence[Any]) -> List[MemoryObj]:
-        out: List[MemoryObj] = []
+    def _flat_objs(memory_objs: Sequence[Any]) -> list[MemoryObj]:
+        out: list[MemoryObj] = []
         for o in memory_objs:
             if isinstance(o, (list, tuple)):
                 if len(o) != 1:
@@ -298,7 +299,7 @@ class PageFirstGPUConnector(GPUConnectorInterface):
                 self.load_stream = torch.cuda.Stream(device=mover.kv.device)
         return self._mover
 
-    def _run(self, mover: PageMover, chunks: List[HostChunk], to_host: bool) -> None:
+    def _run(self, mover: PageMover, chunks: list[HostChunk], to_host: bool) -> None:
         plans = mover.plan_chunks(chunks)
         for plan in plans:  # every check passes before the first copy
             validate_plan(plan, to_host)

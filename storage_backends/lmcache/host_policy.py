@@ -5,8 +5,8 @@
 `vllm.general_plugins` entry point (`install`) arranges that in every vLLM process without importing LMCache
 itself (vLLM's CPU worker rebinds Triton kernels across all loaded modules at start and trips over LMCache's): it
 registers the policies right after LMCache's cache-policy module is first imported. LMCache-only programs call
-`register_host_policies()` once at start (`kvtier.testing.engine_factory` does). The adapter keeps LMCache's own dict as the store and lets the
-kvtier policy choose victims; session signals reach it through `session_signals`.
+`register_host_policies()` once at start (`kvtier.testing.engine_factory` does). The adapter keeps LMCache's own
+dict as the store and lets the kvtier policy choose victims; session signals reach it through `session_signals`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import logging
 import sys
 from typing import Any
 
-from kvtier.storage_backends.eviction import session_signals
-from kvtier.storage_backends.eviction import make_policy, production_policy_names
+from kvtier.storage_backends.eviction import make_policy, production_policy_names, session_signals
 
 logger = logging.getLogger(__name__)
 

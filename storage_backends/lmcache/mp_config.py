@@ -28,7 +28,7 @@ class KVTierL2AdapterConfig(L2AdapterConfigBase):
         self.kvtier = kvtier
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KVTierL2AdapterConfig":
+    def from_dict(cls, d: dict) -> KVTierL2AdapterConfig:
         return cls(parse_adapter_params(d))
 
     @classmethod

@@ -45,7 +45,7 @@ class Layout:
     fmt: str
 
     @staticmethod
-    def of_object(obj: MemoryObj) -> "Layout":
+    def of_object(obj: MemoryObj) -> Layout:
         meta = obj.metadata
         shapes = meta.shapes or [meta.shape]
         dtypes = meta.dtypes or [meta.dtype]
@@ -53,7 +53,7 @@ class Layout:
                       tuple(str(d) for d in dtypes), obj.get_memory_format().name)
 
     @staticmethod
-    def of_meta(meta: ChunkMeta) -> "Layout | None":
+    def of_meta(meta: ChunkMeta) -> Layout | None:
         try:
             shapes = meta.extra.get("shapes", [meta.shape])
             dtypes = meta.extra.get("dtypes", [meta.dtype])

@@ -15,8 +15,9 @@ say how kvtier uses it:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from kvtier.storage_backends.config import ConfigError
 
@@ -47,7 +48,7 @@ class SharedTierOptions:
     min_history_chunks: int = 2
 
     @classmethod
-    def parse(cls, raw: Any, where: str = SHARED_KEY) -> "SharedTierOptions":
+    def parse(cls, raw: Any, where: str = SHARED_KEY) -> SharedTierOptions:
         if raw is None:
             return cls()
         if not isinstance(raw, Mapping):

@@ -13,9 +13,9 @@ What this layer adds to LMCache's remote backend:
   size, chunk size, KV geometry), so engines of another model or layout never read each other's chunks. Every
   chunk read is also checked against this engine's layout (`layout_ok`) before it reaches the host tier.
 - **Faults**: every operation has a time limit (an error other than a timeout is retried once: the client
-  replaces a pooled connection broken by a store restart); a store that fails is marked down (`StoreHealth`: logged once,
-  counted), skipped without network waits while down, probed every `retry_s`, and used again once it answers.
-  Failures are misses: the request recomputes, never wrong KV, never an exception into the engine.
+  replaces a pooled connection broken by a store restart); a store that fails is marked down (`StoreHealth`:
+  logged once, counted), skipped without network waits while down, probed every `retry_s`, and used again once it
+  answers. Failures are misses: the request recomputes, never wrong KV, never an exception into the engine.
 - **Writes** never run on the forward path: `submit_writes` takes a reference on each chunk in the host tier and
   queues it (bounded by `max_queued_write_mb`, beyond which writes are dropped and counted); a writer thread sends
   them. Which chunks are written is the connector's policy (`kvtier.shared.writes`).
@@ -30,11 +30,12 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
-from kvtier.storage_backends.shared import metrics as M
 from kvtier.storage_backends.config import ConfigError
+from kvtier.storage_backends.shared import metrics as M
 from kvtier.storage_backends.shared.config import SharedTierOptions
 from kvtier.storage_backends.shared.health import StoreHealth
 from kvtier.storage_backends.ssd.tier import ChunkMeta
@@ -116,7 +117,7 @@ def _unwrap(conn: Any) -> Any:
 
 
 def attach_shared_tier(engine: Any, layout_ok: Callable[[ChunkMeta], bool], key_tag: str,
-                       options: SharedTierOptions, model_id: str = "") -> "SharedTier | None":
+                       options: SharedTierOptions, model_id: str = "") -> SharedTier | None:
     """The engine's remote backend as kvtier's shared tier, or None when the LMCache config names no store.
 
     The remote backend leaves LMCache's own walk (kvtier routes host, SSD, then the store itself) and the store is
@@ -497,7 +498,7 @@ class SharedTier:
                 self._drop("store_down")
             return
         failed = None
-        for (rkey, obj, size), r in zip(batch, res):
+        for (rkey, _obj, size), r in zip(batch, res):
             if isinstance(r, BaseException):
                 if not isinstance(r, _DATA_ERRORS):
                     failed = r

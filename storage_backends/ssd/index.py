@@ -19,8 +19,9 @@ import heapq
 import logging
 import threading
 import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.eviction import EvictionPolicy

@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import numpy as np
 

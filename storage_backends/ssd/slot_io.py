@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.storage_backends.ssd.episodes import EpisodeLog
+from kvtier.storage_backends.ssd.index import NOT_READ
 from kvtier.storage_backends.ssd.journal import Journal, JournalLoad
 from kvtier.storage_backends.ssd.kvikio_io import KvikioFiles, select_engine
 from kvtier.storage_backends.ssd.posix_io import (
@@ -40,7 +41,6 @@ from kvtier.storage_backends.ssd.posix_io import (
     pwrite_full,
 )
 from kvtier.storage_backends.ssd.slot_files import SlotFiles
-from kvtier.storage_backends.ssd.index import NOT_READ
 from kvtier.storage_backends.ssd.slot_format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -217,7 +217,7 @@ class SlotIO:
             b = self._tls.buf = aligned_buffer(align_up(nbytes))
         return b
 
-    def _write_segment(self, fd: int, base: int, data: memoryview, rng: tuple[int, int]) -> "Future[int]":
+    def _write_segment(self, fd: int, base: int, data: memoryview, rng: tuple[int, int]) -> Future[int]:
         """Write one data segment; returns the future of its CRC32, computed while the write runs."""
         lo, hi = rng
         part = data[lo:hi]
@@ -271,7 +271,7 @@ class SlotIO:
         return out
 
     def _read_piece(self, fd: int, base: int, dest: memoryview, rng: tuple[int, int],
-                    hdr: memoryview | None = None) -> "Future[int]":
+                    hdr: memoryview | None = None) -> Future[int]:
         """Read bytes `rng` of the chunk into `dest` (and the slot header just before them, if `hdr` is given);
         returns the future of their CRC32, so this I/O thread can go on to its next request."""
         lo, hi = rng

@@ -24,15 +24,16 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.config import ConfigError, KVTierConfig
 from kvtier.storage_backends.eviction import EvictionPolicy, make_policy
-from kvtier.storage_backends.ssd.posix_io import align_up, bytes_view, probe_o_direct
-from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE, CommitRecord, header_fits
 from kvtier.storage_backends.ssd.directory import DirectoryInUse, lock_directory, prepare_directory
 from kvtier.storage_backends.ssd.index import ChunkMeta, Entry, Reservation, SlotIndex, TierStats
+from kvtier.storage_backends.ssd.posix_io import align_up, bytes_view, probe_o_direct
+from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE, CommitRecord, header_fits
 from kvtier.storage_backends.ssd.slot_io import SlotIO, SlotRead, SlotWrite
 from kvtier.storage_backends.ssd.write_queue import PutTask, Submitted, WriteQueue
 
@@ -318,7 +319,7 @@ class SSDTier:
                         self.index.commit(t.key, r, t.meta, self.seg)
                         settled.add(i)
                         results[i] = True
-            for i, (t, r, why) in enumerate(zip(batch, reservations, reasons)):
+            for i, (_t, r, why) in enumerate(zip(batch, reservations, reasons)):
                 if results[i]:
                     continue
                 if r is not None:
