@@ -93,7 +93,8 @@ def main() -> int:
             paths.append(p)
         os.sync()
         names = [n.strip() for n in args.sets.split(",") if n.strip()]
-        sets = {n: [huge_page_buffer(CHUNK, huge=n.startswith("huge")) for _ in range(4)] for n in names}  # allocated in order
+        # allocated in order
+        sets = {n: [huge_page_buffer(CHUNK, huge=n.startswith("huge")) for _ in range(4)] for n in names}
         print(f"{args.chunks} files of 32 MiB, read cold by 4 threads x one 32 MiB read; {queue_limits(root)}; "
               f"{anon_huge_mib():.0f} MiB of this process in huge pages")
         res: dict[str, list[float]] = {n: [] for n in names}

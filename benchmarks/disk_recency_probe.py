@@ -66,7 +66,7 @@ def main() -> int:
     a, other = os.path.join(args.dir, "probe-a.dat"), os.path.join(args.dir, "probe-other.dat")
     res: dict[str, list[float]] = {}
     try:
-        for r in range(args.repeats):
+        for _r in range(args.repeats):
             for k in args.k_gib:
                 write(a, n, buf)
                 if k:

@@ -33,8 +33,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -360,7 +360,8 @@ def run(args: argparse.Namespace) -> dict:
         res["triton"] = triton.__version__
     except ImportError:
         res["triton"] = None
-    say = (lambda *a: print(*a, flush=True))
+    def say(*a):
+        return (print(*a, flush=True))
 
     if "check" in methods:
         t0 = time.time()
@@ -390,7 +391,8 @@ def run(args: argparse.Namespace) -> dict:
                     kw = dict(impl=impl, max_programs=progs, num_warps=warps, tile_elems=tile)
                     row = {"programs": progs, "warps": warps, "tile": tile}
                     for to_host in (True, False):
-                        row["d2h" if to_host else "h2d"] = gbps(s.nbytes, time_op(method_a_kernel(s, to_host, **kw), device, 3, 1))
+                        op = method_a_kernel(s, to_host, **kw)
+                        row["d2h" if to_host else "h2d"] = gbps(s.nbytes, time_op(op, device, 3, 1))
                     res["sweep"].append(row)
                     score = min(row["d2h"], row["h2d"])
                     if best is None or score > best[0]:
@@ -430,10 +432,14 @@ def run(args: argparse.Namespace) -> dict:
                         if "d" in methods:
                             row["d"] = gbps(s.nbytes, time_op(method_d(s, to_host), device, reps))
                     res["rows"].append(row)
-                    say("[row] " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+                    say("[row] " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in row.items()))
                 if ("matmul" in methods and device.type == "cuda" and model == first_model and pt == 16
                         and kind is KVLayoutKind.BLOCK_FIRST):
-                    for name, mk in (("a", lambda th: method_a_kernel(s, th, impl=impl)), ("d", lambda th: method_d(s, th))):
+                    setup = s
+                    makers = (("a", lambda th: method_a_kernel(setup, th, impl=impl)),
+                              ("d", lambda th: method_d(setup, th)))
+                    for name, mk in makers:
                         fg, fs = mk(True), mk(False)
                         bg = lambda: (fg(), fs())  # noqa: E731
                         secs = statistics.median(time_op(bg, device, 3, 1))

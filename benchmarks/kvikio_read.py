@@ -29,8 +29,8 @@ def main() -> int:
 
     import torch
 
-    from kvtier.storage_backends.ssd.kvikio_io import kvikio_status
     from kvtier.storage_backends.config import parse_kvtier_config
+    from kvtier.storage_backends.ssd.kvikio_io import kvikio_status
     from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
 
     ok, why = kvikio_status()
@@ -39,7 +39,8 @@ def main() -> int:
         return 2
     tmp = tempfile.mkdtemp(prefix="kvtier-kvikio-", dir=args.dir)
     nbytes = args.chunk_mib << 20
-    cfg = parse_kvtier_config({"kvtier.ssd_path": tmp, "kvtier.ssd_capacity_gb": args.chunks * (nbytes + 8192) / (1 << 30) + 0.1,
+    capacity_gb = args.chunks * (nbytes + 8192) / (1 << 30) + 0.1
+    cfg = parse_kvtier_config({"kvtier.ssd_path": tmp, "kvtier.ssd_capacity_gb": capacity_gb,
                                "kvtier.io_engine": "kvikio", "kvtier.io_threads": 8})
     tier = SSDTier(cfg, nbytes)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).pin_memory()

@@ -16,7 +16,8 @@ of LMCache's `L1MemoryManager`, 32 MiB each (a 256-token Llama-3-8B chunk).
   none. The first batch each adapter loads is compared with the stored bytes outside the timing.
 - Interleaved: the work is cut into batches of 8 chunks (256 MiB, one 2048-token request); every adapter stores
   (then loads) batch b before any moves on to b+1, in an order rotating by len(adapters)/batches per batch (printed
-  for the first repeat), so each adapter's positions in a batch average alike and the disk's drift hits all alike. Reported: GB/s per batch (median, p10, p90) and the median over batches of kvtier's GB/s over the best
+  for the first repeat), so each adapter's positions in a batch average alike and the disk's drift hits all alike.
+  Reported: GB/s per batch (median, p10, p90) and the median over batches of kvtier's GB/s over the best
   LMCache adapter's (the one with the highest median) GB/s in the same batch (targets: loads >= 1.0x, durable
   stores >= 1.2x); also against the fastest LMCache adapter of each batch, and against each one.
 

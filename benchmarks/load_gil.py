@@ -17,7 +17,8 @@ CPU KV tensors of the demo model's geometry (4 layers, 2 KV heads of 64, fp32, `
 - `busy`: a second thread runs pure Python in a loop (a stand-in for the engine loop), as during a step.
 
 `--switch-interval-ms 0.5` repeats it with a tenth of CPython's switch interval: a busy load that shrinks with it
-was waiting for the GIL, not for memory or a lock. Printed per case: median / max of the whole retrieve and of the connector part alone (ms), and the ratio busy /
+was waiting for the GIL, not for memory or a lock. Printed per case: median / max of the whole retrieve and of the
+connector part alone (ms), and the ratio busy /
 quiet. Same process, interleaved, so a drifting machine hits both alike.
 """
 

@@ -25,7 +25,8 @@ The trace is not shipped with kvtier: mooncake_conversation_first30min.jsonl is 
    is the generator's tuning seed, on which its parameters and the re-plan's rule were set, and is not reported).
 3. Decision cost: one scheduling step of `DualQueuePolicy` with 1,000 waiting requests (host-ready, SSD-preparing,
    loading, delay-hit-deferred and oversized ones), both ready orders: `order()` of the whole queue, the vLLM
-   hook's step (every waiting request's hint refreshed with `update`, then `order()`), and the simulator's path (`pick` + `dispatched` + a new arrival's hint derivation with its load plan +
+   hook's step (every waiting request's hint refreshed with `update`, then `order()`), and the simulator's path (`pick`
+   + `dispatched` + a new arrival's hint derivation with its load plan +
    `add` + `next_prefetch` + `prefetch_done`). Median over batches, in the thread's CPU time (wall time printed
    beside it: on a shared machine it also counts other processes). Target: <= 0.62 ms (Bidaw's figure).
 """
@@ -326,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     best = tuned["scheduler"]
     pol = policy_config(tuned)
     print(f"\n== held out: the second 15 minutes of {args.trace} ({len(held)} requests, timestamp >= "
-          f"{SPLIT_S * 1000:.0f} ms; cold tiers). Knobs tuned on the first 15 minutes{' (this run)' if args.tune else ''}"
+          f"{SPLIT_S * 1000:.0f} ms; cold tiers). Knobs tuned on the first 15 minutes"
+          f"{' (this run)' if args.tune else ''}"
           f": {tuned}")
     schedulers = list(BASELINES) + list(KVTIER_SCHEDULER_NAMES) + [f"{best}+always-load", f"{best}+eager-replan"]
     for li, load in enumerate(loads):
@@ -369,12 +371,13 @@ def main(argv: list[str] | None = None) -> int:
             report["shared_prefix"][str(seed)] = sp
 
     print(f"\n== decision cost per scheduling step, {args.waiting} waiting requests (median of 7 batches)")
+    tuned_order = "hrrn" if "+hrrn" in best else "arrival"
     over = {
         "dual-queue": time_steps(lambda: DualQueuePolicy(DualQueueConfig(gpu_capacity=400_000)), args.waiting),
         "dual-queue+hrrn": time_steps(lambda: DualQueuePolicy(DualQueueConfig(gpu_capacity=400_000,
                                                                               ready_order="hrrn")), args.waiting),
         f"{best} tuned": time_steps(lambda: DualQueuePolicy(policy_config(tuned, gpu_capacity=400_000,
-                                                                        ready_order="hrrn" if "+hrrn" in best else "arrival")),
+                                                                        ready_order=tuned_order)),
                                       args.waiting),
         "fcfs": time_steps(lambda: FCFSPolicy(), args.waiting),
     }

@@ -31,11 +31,10 @@ import sys
 import time
 from dataclasses import replace
 
+from kvtier.benchmarks.scheduler_sim import SPLIT_S, TUNED, policy_config  # the scheduling benchmark's tuned knobs
 from kvtier.sim.base import SimConfig, load_trace
 from kvtier.sim.engine import calibrate_time_scale
 from kvtier.sim.remote import ClusterResult, RemoteConfig, run_cluster
-
-from kvtier.benchmarks.scheduler_sim import SPLIT_S, TUNED, policy_config  # the scheduling benchmark's tuned knobs
 
 DEFAULT_STORE = RemoteConfig()
 BIG_QUEUE_STORE = RemoteConfig(write_queue_mb=4096)
@@ -113,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     base = SimConfig(profile=args.profile)
     scale1, work = calibrate_time_scale(held, base, load=args.load)
     print(f"held out: {len(held)} requests (timestamp >= {SPLIT_S:.0f} s); one-GPU time scale {scale1:.3f} "
-          f"(fcfs load {args.load}); kvtier = {TUNED}; shared tier {DEFAULT_STORE}, 4G queue {BIG_QUEUE_STORE}, fast {FAST_STORE}")
+          f"(fcfs load {args.load}); kvtier = {TUNED}; shared tier {DEFAULT_STORE}, 4G queue {BIG_QUEUE_STORE}, "
+          f"fast {FAST_STORE}")
     report = {"trace": args.trace, "load": args.load, "tuned": TUNED, "replicas": {}}
     ok = True
     for n in [int(x) for x in args.replicas.split(",")]:

@@ -9,7 +9,8 @@ kvtier's `SharedTier` over its remote backend. Per round (interleaved, so drift 
 Reported: GB/s medians over rounds and the median of per-round ratios (shared / SSD). Then the third baseline,
 recompute, from the project's cost model (`kvtier.sim.cost_model`, profile `--profile`, default Llama-3-8B on
 one H100: MODELLED, not measured on this machine, which has no GPU): the time to prefill one chunk of that model
-after `c` cached tokens (its marginal share of a longer prefill), against the time to read the same chunk's KV bytes at the measured shared-tier and SSD-tier
+after `c` cached tokens (its marginal share of a longer prefill), against the time to read the same chunk's KV bytes at
+the measured shared-tier and SSD-tier
 get bandwidths (both are bandwidth-bound, so the measured GB/s carry over to that model's chunk size), as ratios
 (load / recompute: below 1 loading wins), and the store bandwidth at which loading and recomputing break even.
 For recompute measured on real prefills (the demo model on vLLM CPU) see `kvtier demo-shared` / `demo-vllm`.
@@ -44,8 +45,13 @@ def main() -> None:
     from kvtier.configs import path as config_path
     from kvtier.storage_backends.shared.config import SharedTierOptions
     from kvtier.storage_backends.shared.tier import attach_shared_tier
-    from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, \
-        load_lmcache_config
+    from kvtier.testing.engine_factory import (
+        ModelShape,
+        build_engine,
+        destroy_engine,
+        kvtier_backend,
+        load_lmcache_config,
+    )
     from kvtier.testing.redis_server import RedisServer
 
     shape = ModelShape("bench/llama-like", num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

@@ -18,7 +18,8 @@ for the first repeat), so each method's positions in a batch average alike and t
 minutes hits all methods alike. --ab-read-piece-mib N adds the same plugin with reads pieced at N MiB (A/B).
 "kvtier plugin prepared" (on unless --no-prepared) is the plugin with `kvtier.prepare_slots`, timed once its slot
 files are zeroed (waited for, untimed): its writes overwrite written blocks, as a tier's writes do once it has been
-full once, where the plain plugin's (and LocalDiskBackend's, always: a new file per chunk) are first fills. Reports GB/s per batch (median, p10, p90) and, per target, the median over
+full once, where the plain plugin's (and LocalDiskBackend's, always: a new file per chunk) are first fills. Reports
+GB/s per batch (median, p10, p90) and, per target, the median over
 batches of the plugin's GB/s over the baseline's in the same batch. Plus the index rebuild time of a tier
 holding 100k committed slots.
 

@@ -28,11 +28,11 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-
 from gather_kernel import MODELS, SMOKE_MODELS, make_setup, method_b, sync  # same directory (run as a script)
+
 from kvtier.kernels import KVLayoutKind, PageMover
 from kvtier.kernels.layout import bits_dtype
 

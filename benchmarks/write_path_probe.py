@@ -11,7 +11,8 @@
 
     python benchmarks/write_path_probe.py --dir /var/tmp/probe [--rounds 4]
 
-Rounds shuffle the variants; medians are reported, ratios as medians of the same round's ratios. Needs a real disk (O_DIRECT).
+Rounds shuffle the variants; medians are reported, ratios as medians of the same round's ratios. Needs a real disk
+(O_DIRECT).
 """
 
 from __future__ import annotations
