@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from kvtier.storage_backends.shared.tier import (  # noqa: E402
 from kvtier.testing.engine_factory import TINY as SHAPE  # noqa: E402
 from kvtier.testing.engine_factory import ModelShape, kvtier_backend, random_kv  # noqa: E402
 from kvtier.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.waiting import wait_until  # noqa: E402
 
 CHUNK = 16
 PORT = 16321
@@ -64,6 +64,14 @@ def keys_of(engine, tokens):
 def shared(engine, layout_ok=lambda meta: True, tag="t1", **opts):
     return attach_shared_tier(engine, layout_ok, tag, SharedTierOptions(**{"timeout_s": 1.0, "retry_s": 0.2,
                                                                           **opts}))
+
+
+def skip_retry_wait(monkeypatch, tier) -> None:
+    """Move the tier's store-health clock (`StoreHealth.clock`, injectable for tests) on by its `retry_s`: the
+    retry window since the last failure is over, so the next operation probes the store (no sleep through it)."""
+    health = tier.health
+    real = health.clock
+    monkeypatch.setattr(health, "clock", lambda: real() + health.retry_s)
 
 
 def test_chunks_written_by_one_engine_are_read_bit_exact_by_another(redis_server, engines):
@@ -128,10 +136,8 @@ def test_local_ssd_tier_is_read_before_the_store(redis_server, engines):
     kv = kv_for(96, seed=2)
     e.store(tokens, kvcaches=kv)
     assert ssd.flush(30)
-    for _ in range(100):  # LMCache's remote puts are asynchronous: 6 chunks, metadata + data keys each
-        if redis_server.dbsize() >= 12:
-            break
-        time.sleep(0.1)
+    # LMCache's remote puts are asynchronous: 6 chunks, metadata + data keys each
+    wait_until(lambda: redis_server.dbsize() >= 12, 10, lambda: f"12 keys in Redis ({redis_server.dbsize()})")
     assert redis_server.dbsize() == 12
     host = e.storage_manager.storage_backends["LocalCPUBackend"]
 
@@ -149,7 +155,7 @@ def test_local_ssd_tier_is_read_before_the_store(redis_server, engines):
     assert ssd.tier.stats.hits == 6
 
 
-def test_store_down_at_start_fails_clearly_or_degrades(tmp_path, engines, caplog):
+def test_store_down_at_start_fails_clearly_or_degrades(tmp_path, engines, caplog, monkeypatch):
     try:
         redis_server_binary()
     except RuntimeError as e:
@@ -164,7 +170,7 @@ def test_store_down_at_start_fails_clearly_or_degrades(tmp_path, engines, caplog
         assert not s.up and s.health.counters.outages == 1
         assert s.prefix_contains(keys_of(e2, torch.arange(32))) == 0
         server.start()
-        time.sleep(0.3)
+        skip_retry_wait(monkeypatch, s)
         assert s.prefix_contains(keys_of(e2, torch.arange(32))) == 0 and s.up  # the probe found it back
         assert s.health.counters.recoveries == 1
     finally:
@@ -172,7 +178,8 @@ def test_store_down_at_start_fails_clearly_or_degrades(tmp_path, engines, caplog
         server.stop()
 
 
-def test_store_lost_mid_run_is_a_logged_counted_miss_and_used_again_once_back(redis_server, engines, caplog):
+def test_store_lost_mid_run_is_a_logged_counted_miss_and_used_again_once_back(redis_server, engines, caplog,
+                                                                                 monkeypatch):
     a, b = engines(), engines()
     sa, sb = shared(a), shared(b)
     try:
@@ -195,7 +202,7 @@ def test_store_lost_mid_run_is_a_logged_counted_miss_and_used_again_once_back(re
         b.store(tokens, kvcaches=kv_for(64))
         assert sb.submit_writes(keys) == 0 and sb.stats.dropped_writes == 4
         redis_server.start()  # empty: it kept nothing
-        time.sleep(0.3)
+        skip_retry_wait(monkeypatch, sb)
         assert sb.prefix_contains(keys) == 0 and sb.up and sb.health.counters.recoveries == 1
         assert sb.submit_writes(keys) == 4 and sb.flush(10)
         # A's pooled connection died with the old server: retried once on a new one, it finds B's chunks at once

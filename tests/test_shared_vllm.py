@@ -32,6 +32,8 @@ pytestmark = pytest.mark.slow
 REDIS_PORT = 16311
 CHUNK = 32
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 32 * 4  # K/V x layers x tokens x kv heads x head dim x fp32
+#: kvtier.shared.retry_s of the engines: a store marked down is probed again this long after its last failure
+RETRY_S = 0.5
 
 #: three engines at once on a small machine: no thread pinning, one OpenMP thread each
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
@@ -46,8 +48,9 @@ class Engine(EngineProcess):
             "kv_transfer_config": kv_transfer_config})
 
     def run(self, prompts: list[list[int]], max_tokens: int = 16) -> dict:
-        """The outputs' token ids, with the connector's snapshot and metrics after the batch."""
-        res = self.generate(prompts, max_tokens, logprobs=True)
+        """The outputs' token ids, with the connector's snapshot and metrics after the batch. The batch's saves
+        and its writes to the store (or their drops) are over when it returns (`generate(flush=True)`)."""
+        res = self.generate(prompts, max_tokens, logprobs=True, flush=True)
         return {"outputs": [o["tokens"] for o in res["outputs"]], **self.stats()}
 
 
@@ -55,7 +58,7 @@ def shared_yaml(work: Path, name: str) -> Path:
     return Path(write_lmcache_yaml(
         work / f"lmcache-{name}.yaml", base="lmcache-kvtier-redis.yaml", ssd_path=work / f"ssd-{name}",
         chunk_size=CHUNK, host_gb=f"{64 * CHUNK_BYTES / (1 << 30):.9f}", ssd_capacity_gb=0.05, redis_port=REDIS_PORT,
-        replace={"    # retry_s: 5.0": "    retry_s: 0.5", "    # timeout_s: 2.0": "    timeout_s: 1.0"}))
+        replace={"    # retry_s: 5.0": f"    retry_s: {RETRY_S}", "    # timeout_s: 2.0": "    timeout_s: 1.0"}))
 
 
 def kv_config(yaml_path: Path, name: str) -> dict:
@@ -129,6 +132,7 @@ def test_turns_across_engines_share_kv_through_redis(cluster):
     redis.kill()
     p_lost = hist[1] + convs[1][1]
     got_lost = b.run([p_lost])
+    b_failed_by = time.monotonic()  # B's last failed store operation was inside that run
     assert got_lost["outputs"] == ref.run([p_lost])["outputs"]
     assert got_lost["admitted"][-1][1] == 0
     sh = got_lost["storage"]["shared"]
@@ -138,13 +142,14 @@ def test_turns_across_engines_share_kv_through_redis(cluster):
 
     # Redis back (empty): A's new conversation is written again and B reads it from the store
     redis.start()
-    time.sleep(0.6)  # retry_s: the next operation probes the store
     got_a4 = a.run([convs[3][0]])
     sh = got_a4["storage"]["shared"]
     # A never saw the outage: its pooled connection, broken by the restart, was replaced on a retry
     assert sh["up"] and sh["health"]["outages"] == 0 and sh["writes"] > got_a["storage"]["shared"]["writes"], sh
     p4 = convs[3][0] + got_a4["outputs"][0] + convs[3][1]
-    time.sleep(0.6)
+    # B's store health lets its next operation probe once RETRY_S has passed since that failure: a timer in B's
+    # process, on the same CLOCK_MONOTONIC as time.monotonic() here, so what is left of it is known exactly
+    time.sleep(max(0.0, b_failed_by + RETRY_S - time.monotonic()))
     got_b4 = b.run([p4])
     assert got_b4["outputs"] == ref.run([p4])["outputs"]
     assert got_b4["admitted"][-1][1:] == [64, 0, 64], got_b4["admitted"]

@@ -12,7 +12,6 @@ import logging
 import os
 import stat
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE, SlotHeader, encode_header, segments
 from kvtier.storage_backends.ssd.tier import SSDTier
 from kvtier.testing.ssd import frame, record_spans
+from kvtier.testing.waiting import wait_until
 
 pytestmark = pytest.mark.compat
 
@@ -43,6 +43,22 @@ def hold_writer(monkeypatch, tier) -> threading.Event:
     return gate
 
 
+def threads_waiting_for_room(monkeypatch, tier) -> set[threading.Thread]:
+    """The threads that have waited on the write queue's condition (a store waiting for in-flight room, or the
+    writer waiting for work), recorded while they still hold its lock: once a store is in the set, the writer
+    cannot give room back before that store waits, so its wake-up is never missed."""
+    seen: set[threading.Thread] = set()
+    cond = tier.queue._cond
+    real = cond.wait
+
+    def wait(timeout=None):
+        seen.add(threading.current_thread())
+        return real(timeout)
+
+    monkeypatch.setattr(cond, "wait", wait)
+    return seen
+
+
 def raw_commit(slot, gen, key, nbytes=CHUNK, seg=1 << 20, shape=None) -> bytes:
     """A CRC-valid journal COMMIT record with any field values (bypassing the record type's own checks)."""
     return frame(["C", slot, gen, key, nbytes, list(shape or [nbytes]), "torch.uint8", "KV_2LTD", seg, {}])
@@ -55,6 +71,7 @@ def test_same_key_from_two_threads_under_backpressure_is_stored_once(tier_config
                             io_block_mb=1), n)
     try:
         gate = hold_writer(monkeypatch, t)
+        waiting = threads_waiting_for_room(monkeypatch, t)
         assert t.submit_put("filler", ssd.meta(n), memoryview(ssd.payload(1, n)), lambda ok: None)
         data = ssd.payload(2, n)
         results: list[bool] = []
@@ -62,7 +79,7 @@ def test_same_key_from_two_threads_under_backpressure_is_stored_once(tier_config
             t.submit_put("k", ssd.meta(n), memoryview(data), lambda ok: None))) for _ in range(2)]
         for th in threads:
             th.start()
-        time.sleep(0.3)  # both are now waiting for in-flight room (not an assertion: only lets them get there)
+        wait_until(lambda: waiting >= set(threads), 30, "both stores of k to wait for in-flight room")
         gate.set()
         for th in threads:
             th.join(30)

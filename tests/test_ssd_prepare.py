@@ -22,16 +22,21 @@ from kvtier.storage_backends.ssd.posix_io import align_up
 from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
 from kvtier.storage_backends.ssd.tier import SSDTier
 from kvtier.testing import ssd as ssd_testing
+from kvtier.testing.waiting import wait_until
 
 pytestmark = pytest.mark.compat
 
 CHUNK = 3 * 4096 + 100
+#: PREPARE_IDLE_S in these tests (`quick_preparer`): the idle time after which a preparer starts zeroing
+IDLE_S = 0.02
+#: a window in which something must NOT happen: 15 x IDLE_S, so a preparer that exists would have begun zeroing
+NOTHING_HAPPENS_S = 15 * IDLE_S
 put, get = ssd_testing.put, ssd_testing.get
 
 
 @pytest.fixture(autouse=True)
 def quick_preparer(monkeypatch):
-    monkeypatch.setattr(ssd_tier, "PREPARE_IDLE_S", 0.02)
+    monkeypatch.setattr(ssd_tier, "PREPARE_IDLE_S", IDLE_S)
     monkeypatch.setattr(slot_files, "ZERO_PIECE", 4096)  # many requests per slot: many chances to yield
 
 
@@ -48,6 +53,22 @@ def slow_zero_writes(monkeypatch, delay: float, calls: list[int] | None = None, 
         real(fd, buf, off)
 
     monkeypatch.setattr(slot_files, "pwrite_full", slow)
+
+
+def count_busy_answers(monkeypatch) -> list[float]:
+    """The times (monotonic) of the preparer's idle checks (`SSDTier._idle`) that answered "busy": stop zeroing,
+    or wait."""
+    real = SSDTier._idle
+    busy: list[float] = []
+
+    def idle(self) -> bool:
+        ok = real(self)
+        if not ok:
+            busy.append(time.monotonic())
+        return ok
+
+    monkeypatch.setattr(SSDTier, "_idle", idle)
+    return busy
 
 
 SLOT = HEADER_SIZE + align_up(CHUNK)
@@ -92,7 +113,7 @@ def test_prepared_files_hold_zeros_to_capacity_and_writes_then_never_fallocate(t
 def test_without_prepare_slots_nothing_is_zeroed(tier_config):
     t = SSDTier(tier_config(ssd_capacity_gb=capacity(24), grow_step_mb=1), CHUNK)
     try:
-        time.sleep(0.3)
+        time.sleep(NOTHING_HAPPENS_S)  # a negative: no zeros within the window (there is no event to wait for)
         assert t.io.files.allocated_slots() == 0 and not t.wait_prepared(0.01)
     finally:
         t.close()
@@ -147,11 +168,14 @@ def test_a_store_waits_for_the_zero_request_on_its_way_into_its_slot(tier_config
     t = SSDTier(cfg, CHUNK)
     try:
         assert entered.wait(10)
+        grow = t.io.files._grow  # the slot files' growth condition: a writer waits on it for a claimed range
+        store_waits, real_wait = threading.Event(), grow.wait
+        monkeypatch.setattr(grow, "wait", lambda timeout=None: (store_waits.set(), real_wait(timeout))[1])
         data = ssd_testing.payload(5, CHUNK)
         done = []
         store = threading.Thread(target=lambda: done.append(put(t, "k", data)))
         store.start()
-        time.sleep(0.2)  # the store reaches its slot while the zeros are held
+        assert store_waits.wait(10), "the store's writer never waited for the zeros held over its slot"
         go.set()
         store.join(10)
         assert done == [True]
@@ -170,6 +194,7 @@ def test_preparer_yields_to_a_read_in_progress(tier_config, monkeypatch):
     t = SSDTier(cfg, CHUNK)
     assert put(t, "a", ssd_testing.payload(1, CHUNK))
     t.close()
+    busy = count_busy_answers(monkeypatch)
     t = SSDTier(tier_config(ssd_capacity_gb=capacity(200), grow_step_mb=1, prepare_slots=True), CHUNK)
     try:
         holding, release = threading.Event(), threading.Event()
@@ -181,11 +206,13 @@ def test_preparer_yields_to_a_read_in_progress(tier_config, monkeypatch):
             return memoryview(bytearray(m.nbytes)), key
 
         reader = threading.Thread(target=lambda: got.append(t.read_batch(["a"], alloc, lambda h: None)))
-        before = len(calls)
+        before = wait_until(lambda: len(calls), 10, "the preparer's first zero write")  # the read meets a step
         reader.start()
         assert holding.wait(5)
-        n0 = len(calls)
-        time.sleep(0.3)
+        n0, since = len(calls), time.monotonic() + IDLE_S  # from `since` on, only the held read keeps the tier busy
+        assert not t.prepared_event.is_set()  # the read began while zeros were still being written
+        # the preparer was told twice (after `since`) to wait for the read: it has stopped its step by then
+        wait_until(lambda: sum(at >= since for at in busy) >= 2, 10, "the preparer to wait for the held read")
         assert len(calls) - n0 <= 1  # at most the request already on its way when the read began
         release.set()
         reader.join(10)
@@ -203,11 +230,10 @@ def test_full_disk_while_preparing_is_logged_once_and_the_tier_grows_as_without_
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         t = SSDTier(cfg, CHUNK)
         try:
-            deadline = time.monotonic() + 10
-            while len(calls) <= 20 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert not t.wait_prepared(0.3)
-            assert t._preparer is not None and not t._preparer.is_alive()
+            wait_until(lambda: len(calls) > 20, 10, "the injected ENOSPC (zero write 21)")
+            assert t._preparer is not None
+            t._preparer.join(10)  # it ends on the error
+            assert not t._preparer.is_alive() and not t.wait_prepared(0)
             data = {f"k{i}": ssd_testing.payload(i, CHUNK) for i in range(20)}
             for k, v in data.items():
                 assert put(t, k, v)
@@ -223,14 +249,12 @@ def test_close_stops_a_preparation_in_progress(tier_config, monkeypatch):
     calls: list[int] = []
     slow_zero_writes(monkeypatch, 0.005, calls)
     t = SSDTier(tier_config(ssd_capacity_gb=capacity(200), grow_step_mb=1, prepare_slots=True), CHUNK)
-    deadline = time.monotonic() + 10
-    while not calls and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: calls, 10, "the preparer's first zero write")
     t.close()
     done = len(calls)
-    time.sleep(0.1)
     pieces = 200 * SLOT // slot_files.ZERO_PIECE
-    assert not t._preparer.is_alive() and len(calls) == done and 0 < done < pieces // 2
+    # close() has joined the preparer, the only caller of the zero writes: none can follow
+    assert not t._preparer.is_alive() and 0 < done < pieces // 2
 
 
 def test_unallocated_agrees_with_is_allocated_slot_by_slot(tmp_path):
