@@ -100,14 +100,13 @@ def _json_object(path: str, what: str) -> dict:
 
 def check_l2_adapter(path: str) -> str:
     """Validate an `--l2-adapter` JSON spec for kvtier's L2 adapter, parsed by LMCache's own argument parser."""
-    import argparse as _argparse
     import json
 
     spec = _json_object(path, "an --l2-adapter spec")
     from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 
     try:
-        parse_args_to_l2_adapters_config(_argparse.Namespace(l2_adapter=[json.dumps(spec)]))
+        parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(spec)]))
     except (ValueError, KeyError, ImportError) as e:
         raise ConfigError(f"{path}: LMCache rejects this --l2-adapter spec: {e}") from None
     kvtier_keys = {"module_path", "class_name", "adapter_params"} & spec.keys()
@@ -125,9 +124,9 @@ def check_l2_adapter(path: str) -> str:
 
     kv = parse_adapter_params(spec.get("adapter_params"))
     from kvtier.storage_backends.lmcache.mp_adapter import SUBDIR
-    from kvtier.storage_backends.ssd.posix_io import probe_o_direct
     from kvtier.storage_backends.lmcache.mp_config import adapter_key_names as _adapter_key_names
     from kvtier.storage_backends.ssd.directory import prepare_directory
+    from kvtier.storage_backends.ssd.posix_io import probe_o_direct
 
     directory = os.path.join(kv.ssd_path, SUBDIR)
     try:

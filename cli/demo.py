@@ -1,4 +1,4 @@
-"""`kvtier demo`: the main job. Replays a multi-turn conversation slice through a real LMCacheEngine, twice.
+"""`kvtier demo`: the LMCache-level demo. Replays a multi-turn conversation slice through a real LMCacheEngine, twice.
 
 Run 1 is LMCache with its host tier only; run 2 adds kvtier's SSD tier through `storage_plugins: [kvtier]`.
 Each request of the Mooncake conversation trace (one id per 512-token prompt block; a follow-up turn repeats its
@@ -21,18 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.cli.engine_args import add_engine_arguments
+
 logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.demo_data import path as data_path
-
-    p.add_argument("--trace", default=data_path("mooncake_conversation_sessions.jsonl"),
-                   help="Mooncake-format JSONL (default: 60 whole conversations shipped with kvtier)")
+    add_engine_arguments(p, block_tokens=32, host_mb=48, ssd_mb=1024)
     p.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
-    p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace block (the trace's are 512)")
-    p.add_argument("--host-mb", type=float, default=48, help="LMCache host tier size")
-    p.add_argument("--ssd-mb", type=float, default=1024, help="kvtier SSD tier size")
     p.add_argument("--ssd-path", default=None, help="SSD tier directory (default: a temporary one)")
 
 
@@ -115,8 +111,8 @@ def _replay(name: str, yaml_text: str, requests, shape, block_tokens: int, chunk
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("lmcache").setLevel(logging.WARNING)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # LMCache logs every host-pool eviction retry
-    from kvtier.testing.engine_factory import ModelShape
     from kvtier.replay.traces import read_mooncake
+    from kvtier.testing.engine_factory import ModelShape
 
     chunk = args.block_tokens
     shape = ModelShape("kvtier-demo/llama-mini", num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
 """`kvtier demo-shared`: several vLLM replicas behind a round-robin router, with and without a shared tier.
 
-The shipped Mooncake conversations (the same workload as `kvtier demo-vllm`: `demo_vllm.build_workload`) are
+The shipped Mooncake conversations (the same workload as `kvtier demo-vllm`: `conversations.build_workload`) are
 replayed in trace arrival order, one request at a time, request i going to replica i % `--replicas` (a
 round-robin router: a conversation's next turn usually lands on another replica than its previous one). Each
 configuration runs its own replica processes (vLLM's CPU build, the tiny random Llama of `testing/demo_model.py`):
@@ -41,11 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli.demo_vllm import _engine_env, _ratio, add_conversation_arguments  # shared with the single-engine demo
-from kvtier.testing.vllm_engine import end_process_group
+from kvtier.cli.conversations import Turn, build_workload
+from kvtier.cli.demo_vllm_engine import engine_env
+from kvtier.cli.demo_vllm_report import ratio
+from kvtier.cli.engine_args import add_engine_arguments
 from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, VOCAB
 from kvtier.testing.lmcache_yaml import write_lmcache_yaml
 from kvtier.testing.redis_server import READ_COMMANDS
+from kvtier.testing.vllm_engine import end_process_group
 
 CONFIGS = ("none", "local", "shared-all", "shared-continuing", "mp-shared")
 DEFAULT_CONFIGS = ("none", "local", "shared-all", "shared-continuing")
@@ -54,27 +57,20 @@ READY = "KVTIER-READY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_conversation_arguments(p, conversations=8, max_prompt_tokens=2048, answer_tokens=16)
+    add_engine_arguments(p, block_tokens=64, host_mb=None, ssd_mb=128, conversations=8, max_prompt_tokens=2048,
+                         answer_tokens=16, per_replica=True)
     p.add_argument("--replicas", type=int, default=2, help="vLLM replicas behind the round-robin router")
     p.add_argument("--routing", choices=("round-robin", "alternate"), default="round-robin",
                    help="round-robin: request i (arrival order) to replica i %% replicas; alternate: turn t of "
                         "conversation c to replica (c + t) %% replicas (every follow-up on another replica)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma-separated configurations to run, the first is the token reference ({', '.join(CONFIGS)})")
-    p.add_argument("--page-tokens", type=int, default=32, help="vLLM block size (tokens)")
-    p.add_argument("--chunk-tokens", type=int, default=64, help="LMCache/kvtier chunk size (multiple of the page)")
-    p.add_argument("--host-mb", type=float, default=None,
-                   help="kvtier host tier per replica (default: half of the replay's history, at least three of "
-                        "the longest requests)")
-    p.add_argument("--ssd-mb", type=float, default=128, help="kvtier SSD tier per replica")
+                   help="comma-separated configurations to run, the first is the token reference "
+                        f"({', '.join(CONFIGS)})")
     p.add_argument("--min-history-chunks", type=int, default=2,
                    help="`writes: continuing`: cached chunks at arrival that make a request a continuation")
     p.add_argument("--redis-port", type=int, default=19310, help="port of the demo's redis-server (127.0.0.1)")
     p.add_argument("--mp-port", type=int, default=19320,
                    help="`mp-shared`: replica i's `lmcache server` listens on this + i, its HTTP API on this + 10 + i")
-    p.add_argument("--workdir", default=None, help="keep the model, configs and logs here (default: a temporary "
-                                                   "directory, removed at the end)")
-    p.add_argument("--json", default=None, help="write all per-request results to this JSON file")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds the replicas of one configuration may take to start, and then to replay")
 
@@ -172,9 +168,10 @@ class Replica:
         self._log = open(self.log_path, "w")
         code = ("if __name__ == '__main__':\n    from kvtier.cli.demo_shared import replica_main\n"
                 f"    replica_main({str(path)!r})")
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=workdir, env={**_engine_env(), **(env_extra or {})},
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     bufsize=1, start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=workdir,
+                                     env={**engine_env(), **(env_extra or {})}, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1,
+                                     start_new_session=True)
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -287,7 +284,7 @@ def _kv_configs(cfg: str, workdir: Path, opts: argparse.Namespace, host_mb: floa
     return out
 
 
-def _run_config(cfg: str, workdir: Path, base: dict[str, Any], turns: list, opts: argparse.Namespace,
+def _run_config(cfg: str, workdir: Path, base: dict[str, Any], turns: list[Turn], opts: argparse.Namespace,
                 host_mb: float, redis: Any) -> ConfigRun:
     deadline = time.monotonic() + opts.timeout
     if redis is not None:
@@ -343,7 +340,7 @@ def _mean_ms(xs: list[float]) -> str:
     return f"{1000 * statistics.mean(xs):8.1f}" if xs else f"{'-':>8}"
 
 
-def report(runs: list[ConfigRun], turns: list, chunk: int) -> int:
+def report(runs: list[ConfigRun], turns: list[Turn], chunk: int) -> int:
     """Print the comparison; returns 1 when a configuration's tokens differ from the reference's."""
     max_turn = max(t.turn for t in turns)
     print("\nTTFT per turn (ms, mean over conversations; one request at a time over the replicas)")
@@ -355,7 +352,8 @@ def report(runs: list[ConfigRun], turns: list, chunk: int) -> int:
     print(f"\ncached prompt tokens by tier, shared-store traffic (KV: {KV_BYTES_PER_TOKEN} B per token, "
           f"{chunk}-token chunks)")
     head = (f"{'config':<18}{'prompt':>8}{'gpu':>7}{'host':>7}{'ssd':>7}{'remote':>7}{'prefilled':>10}"
-            f"{'TTFT>=2':>9}{'vs ' + ref.name:>10}{'chunks->store':>14}{'MiB->store':>11}{'SETs':>6}{'GETs':>6}{'keys':>6}")
+            f"{'TTFT>=2':>9}{'vs ' + ref.name:>10}{'chunks->store':>14}{'MiB->store':>11}{'SETs':>6}{'GETs':>6}"
+            f"{'keys':>6}")
     print(head)
     print("-" * len(head))
     ref2 = statistics.mean(ref.ttft(min_turn=2)) if ref.ttft(min_turn=2) else 0.0
@@ -368,7 +366,7 @@ def report(runs: list[ConfigRun], turns: list, chunk: int) -> int:
         keys = r.requests[-1].get("redis_keys", 0) if store and r.requests else 0
         mib = f"{r.total('shared_write_bytes') / 2**20:.1f}" if shared else "-"
         print(f"{r.name:<18}{prompt:>8}{r.total('gpu_hit'):>7}{r.total('host_hit'):>7}{r.total('ssd_hit'):>7}"
-              f"{r.total('remote_hit'):>7}{prompt - hit:>10}{1000 * t2:>9.1f}{_ratio(ref2, t2):>10}"
+              f"{r.total('remote_hit'):>7}{prompt - hit:>10}{1000 * t2:>9.1f}{ratio(ref2, t2):>10}"
               f"{r.total('shared_writes') if shared else '-':>14}"
               f"{mib:>11}"
               f"{r.total('redis_sets') if store else '-':>6}{r.total('redis_gets') if store else '-':>6}"
@@ -385,9 +383,10 @@ def report(runs: list[ConfigRun], turns: list, chunk: int) -> int:
         a, c = by["shared-all"], by["shared-continuing"]
         ab, cb = a.total("shared_write_bytes"), c.total("shared_write_bytes")
         print(f"writes: continuing sent {cb / 2**20:.1f} MiB to the store vs {ab / 2**20:.1f} MiB with all "
-              f"({_ratio(cb, ab)}), and got {c.total('remote_hit')} remote hit tokens vs {a.total('remote_hit')} "
-              f"({_ratio(c.total('remote_hit'), a.total('remote_hit'))}); follow-up TTFT "
-              f"{1000 * statistics.mean(c.ttft(min_turn=2)):.1f} vs {1000 * statistics.mean(a.ttft(min_turn=2)):.1f} ms")
+              f"({ratio(cb, ab)}), and got {c.total('remote_hit')} remote hit tokens vs {a.total('remote_hit')} "
+              f"({ratio(c.total('remote_hit'), a.total('remote_hit'))}); follow-up TTFT "
+              f"{1000 * statistics.mean(c.ttft(min_turn=2)):.1f} vs "
+              f"{1000 * statistics.mean(a.ttft(min_turn=2)):.1f} ms")
     rc = 0
     for r in runs[1:]:
         diff = [(x["conv"], x["turn"]) for x, y in zip(r.requests, ref.requests) if x["tokens"] != y["tokens"]]
@@ -401,8 +400,6 @@ def report(runs: list[ConfigRun], turns: list, chunk: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.cli.demo_vllm import build_workload
-
     t_all = time.perf_counter()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]

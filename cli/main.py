@@ -12,8 +12,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check-config": ("kvtier.cli.check_config", "load an LMCache YAML or an `lmcache server` L2-adapter "
                      "JSON as LMCache does; fail loudly"),
     "demo": ("kvtier.cli.demo", "replay a multi-turn trace slice through LMCache, with and without kvtier's SSD tier"),
-    "demo-vllm": ("kvtier.cli.demo_vllm", "the main job: replay multi-turn conversations through vLLM, with and without "
-                  "kvtier"),
+    "demo-vllm": ("kvtier.cli.demo_vllm", "the main job: replay multi-turn conversations through vLLM, with and "
+                  "without kvtier"),
     "demo-shared": ("kvtier.cli.demo_shared", "replay conversations round-robin over several vLLM replicas: without "
                     "kvtier, kvtier local-only, kvtier + a shared Redis (writes all / continuing)"),
     "demo-model": ("kvtier.testing.demo_model", "write the tiny demo model (weights + tokenizer) for `vllm serve`"),

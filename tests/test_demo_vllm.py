@@ -83,7 +83,7 @@ def test_an_engine_run_leaves_no_process_behind(tmp_path):
 
 
 def _run_result(name: str, ttfts: dict[tuple[int, int], float]):
-    from kvtier.cli.demo_vllm import RunResult
+    from kvtier.cli.demo_vllm_engine import RunResult
 
     reqs = [{"conv": c, "turn": t, "ttft": v, "prompt_len": 100, "gpu_hit": 0, "host_hit": 0, "ssd_hit": 0,
              "tokens": [1, 2]} for (c, t), v in ttfts.items()]
@@ -93,22 +93,23 @@ def _run_result(name: str, ttfts: dict[tuple[int, int], float]):
 def test_demo_says_slower_when_kvtier_is_slower(capsys):
     """The summary line names the direction: a run where kvtier's follow-ups are slower says "slower", never
     "0.54x faster"; `--repeat` prints the spread over runs and counts the runs that were slower."""
-    from kvtier.cli.demo_vllm import FollowUps, Turn, _print_spread, _report
+    from kvtier.cli.conversations import Turn
+    from kvtier.cli.demo_vllm_report import FollowUps, print_spread, report
 
     turns = [Turn(c, c, t, 0, [], 2, 0) for c in range(2) for t in (1, 2, 3)]
     base = _run_result("vLLM, no connector", {(c, t): 0.2 for c in range(2) for t in (1, 2, 3)})
     fast = _run_result("vLLM + kvtier", {(c, t): (0.2 if t == 1 else 0.05) for c in range(2) for t in (1, 2, 3)})
     slow = _run_result("vLLM + kvtier", {(c, t): (0.2 if t == 1 else 0.05) for c in range(2) for t in (1, 2, 3)})
     slow.requests[4]["ttft"] = 3.0  # conversation 1 turn 2 stalls
-    assert _report(base, slow, turns, None, full=False) == 0
+    assert report(base, slow, turns, None, full=False) == 0
     out = capsys.readouterr().out
     assert "TTFT of follow-up turns 3.94x slower on average" in out, out
     assert "generated tokens: identical in both runs" in out
-    _report(base, fast, turns, None, full=False)
+    report(base, fast, turns, None, full=False)
     assert "TTFT of follow-up turns 4.00x faster on average" in capsys.readouterr().out
     runs = [FollowUps.of(base, fast), FollowUps.of(base, slow), FollowUps.of(base, fast)]
     assert runs[1].slowest_kvtier_turn == (1, 2) and runs[1].slowest_kvtier_s == 3.0
-    _print_spread(runs)
+    print_spread(runs)
     out = capsys.readouterr().out
     assert "mean TTFT speed-up (vLLM alone / kvtier): 0.25x / 4.00x / 4.00x" in out, out
     assert "slowest follow-up, vLLM + kvtier:         50 / 50 / 3000 ms" in out, out
