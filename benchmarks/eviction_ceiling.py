@@ -15,29 +15,34 @@ label (when a turn's next turn came) comes from the tuning half alone.
    age since that turn, the share of block-seconds the 2% tier spends, the hits it gets, and the hits per 1,000
    block-seconds, for answer-length and for Belady.
 3. Bounds: the policy's hit rate with an outside odds ratio on each session's next-turn hit chance
-   (`AnswerLengthPolicy.session_odds`): a perfect "returns within 120 s / 300 s" oracle (for first turns, for
-   follow-ups, for all; a "no" scales the odds by 0.02), the same oracle with half its labels replaced by coin
-   flips, and the logistic model of (1): fitted on the very turns it is scored on (in-sample: optimistic), and
-   fitted on t < 450 s only (the past of the scored window: what an online learner could have had).
+   (`SessionOddsPolicy` below: answer-length with that analysis hook): a perfect "returns within 120 s / 300 s"
+   oracle (for first turns, for follow-ups, for all; a "no" scales the odds by 0.02), the same oracle with half its
+   labels replaced by coin flips, and the logistic model of (1): fitted on the very turns it is scored on
+   (in-sample: optimistic), and fitted on t < 450 s only (the past of the scored window: what an online learner
+   could have had).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import math
 import random
 import statistics
 from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
-from kvtier.storage_backends.eviction.answer_length import AnswerLengthPolicy
-from kvtier.storage_backends.eviction.return_model import fit_logistic
 from kvtier.replay.runner import ReplayClock, build_policy, host_key_sequence, parse_capacity, simulate
 from kvtier.replay.traces import TraceRequest, read_trace, unique_blocks
+from kvtier.storage_backends.eviction.answer_length import AnswerLengthPolicy
+from kvtier.storage_backends.eviction.answer_length.features import with_odds
+from kvtier.storage_backends.eviction.sessions import Session
+
+logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = next((p for p in (REPO.parent / "shared" / "traces", REPO.parent.parent / "shared" / "traces")
@@ -100,8 +105,42 @@ def auc(scores: Sequence[float], labels: Sequence[bool]) -> float:
     return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0) -> tuple[float, np.ndarray, float] | None:
+    """L2-penalised logistic regression of labels y in [0, 1] (soft labels allowed) on the rows of x, fitted by
+    damped Newton steps on standardised features: (intercept, weight per raw feature, mean label), so that the
+    log-odds of a row v is intercept + v @ weights. None when there is nothing to tell apart (every label the same)
+    or the fit fails. (The fit of the retired return model, `docs/results/2026-12-03-retired-eviction-knobs.md`.)"""
+    base = float(y.mean()) if len(y) else 0.0
+    if base <= 0.0 or base >= 1.0:
+        return None
+    mu, sd = x.mean(axis=0), x.std(axis=0)
+    sd = np.where(sd > 1e-6, sd, 1.0)  # a constant feature standardises to 0 (its weight stays at 0)
+    z = np.c_[np.ones(len(x)), (x - mu) / sd]
+    reg = l2 * np.eye(z.shape[1])
+    reg[0, 0] = 1e-6  # keeps the Hessian invertible when every prediction saturates
+    w = np.zeros(z.shape[1])
+    w[0] = math.log(base / (1.0 - base))
+    try:
+        for _ in range(12):
+            p = 1.0 / (1.0 + np.exp(-np.clip(z @ w, -30.0, 30.0)))
+            step = np.linalg.solve((z.T * (p * (1.0 - p))) @ z + reg, z.T @ (p - y) + reg @ w)
+            big = float(np.abs(step).max())
+            if big > 4.0:  # damped: a separable window must not throw the weights far in one step
+                step *= 4.0 / big
+            w -= step
+            if big < 1e-6:
+                break
+    except np.linalg.LinAlgError:
+        w = np.full(z.shape[1], np.nan)
+    if not np.all(np.isfinite(w)):
+        logger.warning("logistic fit on %d labels failed", len(y))
+        return None
+    coef = w[1:] / sd
+    return float(w[0] - coef @ mu), coef, base
+
+
 class Logistic:
-    """The return model's logistic regression (`return_model.fit_logistic`) on log1p features."""
+    """`fit_logistic` on log1p features."""
 
     def __init__(self, rows: Sequence[Sequence[float]], labels: Sequence[bool], l2: float = 1.0) -> None:
         fit = fit_logistic(self._x(rows), np.asarray(labels, dtype=float), l2)
@@ -221,10 +260,41 @@ def occupancy_report(tune: Sequence[TraceRequest], blocks: int) -> None:
 
 
 # -------------------------------------------------------------------------------------------------------- bounds
+class SessionOddsPolicy(AnswerLengthPolicy):
+    """answer-length with an outside odds ratio on each session's next-turn hit chance (an analysis hook, never in
+    serving): `session_odds(chain, answer_tokens)` is called when a turn finishes, and a number it returns scales
+    the odds of that session's hit chance until its next turn (0: it will not return; None, NaN or a negative
+    number: no opinion). It applies after the reuse predictor's correction."""
+
+    def __init__(self, session_odds: Callable[[Sequence, int], float | None], **kw) -> None:
+        super().__init__(**kw)
+        self.session_odds = session_odds
+        self._outside: dict[int, tuple[object, float]] = {}  # session id -> (the turn it was given after, odds)
+
+    def on_request_finished(self, chain, answer_tokens: int, now: float | None = None) -> None:
+        s = self.sessions.session_of_chain(chain) if chain else None
+        if s is not None:
+            r = self.session_odds(chain, int(answer_tokens))
+            if r is None or not r >= 0.0:
+                self._outside.pop(s.sid, None)
+            else:
+                self._outside[s.sid] = (s.turn, float(r))
+        super().on_request_finished(chain, answer_tokens, now)
+
+    def _hit_chance(self, u, hits: float) -> float:
+        hits = super()._hit_chance(u, hits)
+        if u.__class__ is Session and hits > 0.0:
+            o = self._outside.get(u.sid)
+            if o is not None and o[0] is u.turn:  # a later turn replaced the turn it was given after: no opinion
+                hits = with_odds(hits, o[1])
+        return hits
+
+
 def hit_rates(tune, held_unique: int, sizes, salts: int,
               odds: Callable[[], Callable[[Sequence, int], float | None] | None] | None = None,
               policy: str = "answer-length") -> list[float]:
-    """Mean hit rate (%) over the ghost salts at each size; `odds()` makes a fresh session_odds hook per replay."""
+    """Mean hit rate (%) over the ghost salts at each size; `odds()` makes a fresh session_odds hook per replay
+    (answer-length rows only)."""
     out = []
     for f in sizes:
         blocks = parse_capacity(f"{round(f * held_unique)}blocks", held_unique).blocks
@@ -232,12 +302,14 @@ def hit_rates(tune, held_unique: int, sizes, salts: int,
         for salt in range(salts if policy == "answer-length" else 1):
             clock = ReplayClock()
             kw = {"ghost_salt": salt} if policy == "answer-length" else {}
-            pol = build_policy(policy, clock, blocks, **kw)
+            if odds is not None:
+                assert policy == "answer-length"
+                pol = SessionOddsPolicy(odds(), clock=clock, **kw)
+                pol.set_capacity(blocks)
+            else:
+                pol = build_policy(policy, clock, blocks, **kw)
             if policy == "belady":
                 pol.set_future(host_key_sequence(tune))  # type: ignore[attr-defined]
-            if odds is not None:
-                assert isinstance(pol, AnswerLengthPolicy)
-                pol.session_odds = odds()
             c = simulate(tune, pol, blocks, clock=clock, score_from=SCORE_FROM_S)
             rates.append(100.0 * c["host_hits"] / max(1, c["accesses"]))
         out.append(statistics.mean(rates))
@@ -303,7 +375,9 @@ def bounds_report(reqs, tune, gaps, held_unique: int, sizes, salts: int) -> None
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--trace", default=str(TRACE),
+                    help="the first 30 minutes of conversation_trace.jsonl of https://github.com/kvcache-ai/Mooncake "
+                         "(FAST25-release/traces); see docs/development.md, 'Traces' (default: %(default)s)")
     ap.add_argument("--salts", type=int, default=3, help="ghost sampling salts averaged per answer-length row")
     ap.add_argument("--sizes", default="0.02,0.05,0.1", help="fractions of the held-out half's unique blocks")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: signal, occupancy, bounds")

@@ -1,7 +1,7 @@
 """How much the answer-length policy's hit rate hangs on one ghost sampling hash, on the TUNING half only.
 
     .venv/bin/python benchmarks/ghost_spread.py [--trace PATH] [--salts 6] [--sizes 0.02,0.05,0.1]
-        [--config '{"ghost_strata": 4, "ghost_capacity": 40}']
+        [--config '{"ghost_capacity": 80}']
 
 Replays the first 15 minutes of the conversation trace (hits counted from t >= 450 s) at the held-out cache sizes
 in blocks (fractions of the unique blocks of the second 15 minutes, as `eviction_replay.py` scores them), once per
@@ -29,10 +29,12 @@ TUNE_END_S = 900.0
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--trace", default=str(TRACE),
+                    help="the first 30 minutes of conversation_trace.jsonl of https://github.com/kvcache-ai/Mooncake "
+                         "(FAST25-release/traces); see docs/development.md, 'Traces' (default: %(default)s)")
     ap.add_argument("--salts", type=int, default=6)
     ap.add_argument("--sizes", default="0.02,0.05,0.1", help="fractions of the held-out half's unique blocks")
-    ap.add_argument("--config", default="{}", help="answer-length options (JSON), e.g. ghost_strata")
+    ap.add_argument("--config", default="{}", help="answer-length options (JSON), e.g. ghost_capacity")
     a = ap.parse_args()
     kw = json.loads(a.config)
     reqs = read_trace(a.trace)

@@ -1,6 +1,6 @@
 """The answer-length policy and its parts: ghost Belady bucket statistics, the censoring-aware reuse model,
 session inference from prefix chains, the answer-length lower bound, bounded memory, and end-to-end behaviour on
-synthetic conversations (it must use the signals) and on signal-free traffic (its fallback must hold)."""
+synthetic conversations (it must use the signals)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import random
 
 import pytest
 
+from kvtier.replay.runner import ReplayClock, simulate
+from kvtier.replay.traces import TraceRequest
 from kvtier.storage_backends.eviction import make_policy
-from kvtier.storage_backends.eviction.answer_length import AnswerLengthConfig, AnswerLengthPolicy, _logit
+from kvtier.storage_backends.eviction.answer_length import AnswerLengthConfig, AnswerLengthPolicy
+from kvtier.storage_backends.eviction.answer_length.features import logit
 from kvtier.storage_backends.eviction.ghost_cache import GhostBelady, ReuseBuckets, key_hash, key_sample
 from kvtier.storage_backends.eviction.reuse_model import ReuseModel
 from kvtier.storage_backends.eviction.sessions import SessionTracker
-from kvtier.replay.runner import ReplayClock, simulate
-from kvtier.replay.traces import TraceRequest
 
 BUCKETS = ReuseBuckets((2.0, 10.0, 50.0, 250.0))
 
@@ -269,8 +270,8 @@ def test_user_pace_reshapes_timing():
             t += pace * (0.8 + 0.4 * rng.random())
     events.sort(key=lambda e: e[0])
     reqs = [TraceRequest(i, t, c, 512 * len(c), a, 0, None, 1) for i, (t, c, a) in enumerate(events)]
-    with_gap, pol = _replay(reqs, "answer-length", 300, fallback=())
-    without, _ = _replay(reqs, "answer-length", 300, fallback=(), gap_timing=False)
+    with_gap, pol = _replay(reqs, "answer-length", 300)
+    without, _ = _replay(reqs, "answer-length", 300, gap_timing=False)
     assert with_gap > 1.04 * without, (with_gap, without)  # 1.065x with the default buckets
     ratios = pol.reuse.timing_ratios(pol.reuse.hazards(), pol.cfg.timing_strength)
     fast, slow = pol._timing_key(2, 5.0), pol._timing_key(2, 100.0)
@@ -283,7 +284,7 @@ def test_first_victims_are_dead_chunks():
     cut = int(0.7 * len(reqs))
     past, future = reqs[:cut], reqs[cut:]
     clock = ReplayClock()
-    p = AnswerLengthPolicy(clock=clock, config=AnswerLengthConfig(fallback=()))
+    p = AnswerLengthPolicy(clock=clock, config=AnswerLengthConfig())
     p.set_capacity(10_000)
     simulate(past, p, 10_000, clock=clock)  # no evictions: it only learns
     clock.now = past[-1].timestamp + 1.0
@@ -299,24 +300,10 @@ def test_first_victims_are_dead_chunks():
     assert dead_al >= 18 and dead_al >= dead_lru
 
 
-def test_fallback_holds_on_signal_free_traffic():
-    """Zipf-popular single chunks, no sessions: the best baseline is the bar; the fallback (off by default, for
-    traffic like this) must keep up."""
-    rng = random.Random(7)
-    weights = [1.0 / (i + 1) ** 0.9 for i in range(4000)]
-    keys = rng.choices(range(4000), weights=weights, k=20_000)
-    reqs = [TraceRequest(i, i * 0.05, (k,), 100, 10, i, None, 1) for i, k in enumerate(keys)]
-    rates = {n: _replay(reqs, n, 200)[0] for n in ("lru", "arc", "s3fifo")}
-    al, pol = _replay(reqs, "answer-length", 200, fallback=("s3fifo",))
-    assert pol.mode != "answer-length" and pol.stats()["mode_switches"] >= 1  # it did fall back
-    assert al >= max(rates.values()) - 0.01, (al, rates, pol.stats())
-
-
 def test_memory_of_learning_state_is_bounded():
     cfg = AnswerLengthConfig(
         max_sessions=50, ghost_window=256, ghost_refresh=64, max_items=100, max_ghost_keys=100,
-        shadow_sample_rate=4, shadow_window=256, ghost_sample_rate=1, predictor_window=300, predictor_refit=64,
-        return_model=True, return_window=40, return_refit=16,
+        ghost_sample_rate=1, predictor_window=300, predictor_refit=64,
     )
     clock = ReplayClock()
     p = AnswerLengthPolicy(clock=clock, config=cfg)
@@ -340,13 +327,11 @@ def test_memory_of_learning_state_is_bounded():
         m = p.memory_items()
         assert m["ghost_trace"] <= 256 and m["reuse_items"] <= 100 and m["ghost_keys"] <= 100
         assert m["predictor_samples"] <= 300
-        assert m["return_rows"] <= 40 and m["return_pending"] <= p.returns.max_pending
         assert m["heap"] <= 4 * m["units"] + 4096
         assert m["sessions"] <= 50 + 64  # sessions holding resident chunks are never forgotten
         assert m["ctx"] == 0  # no request in flight between requests
         assert len(p) == used <= 64
     assert p.predictor.samples_seen > 300 and p.predictor.fits > 0  # it did learn, within its window
-    assert p.returns.labels > 40 and p.returns.fits > 0
 
 
 def test_collected_victims_and_reinsertion():
@@ -451,7 +436,7 @@ def _returning_world(n_sessions: int = 700, seed: int = 2, gap: float = 4.0) -> 
     return [TraceRequest(i, t, c, 512 * len(c), a, 0, None, 1) for i, (t, c, a) in enumerate(events)]
 
 
-SMALL_GHOST = dict(ghost_sample_rate=1, ghost_window=4096, ghost_refresh=512, predictor_refit=128, fallback=())
+SMALL_GHOST = dict(ghost_sample_rate=1, ghost_window=4096, ghost_refresh=512, predictor_refit=128)
 
 
 def test_predictor_learns_what_the_classes_cannot_see():
@@ -536,7 +521,7 @@ def test_label_offsets_are_cached_only_while_tables_and_ghost_stand():
         h = pol._hits.item(row, 0)
         if b < len(pol._edges):
             h -= pol._surv.item(row, b) * pol._hits.item(row, b)
-        return _logit(h)
+        return logit(h)
 
     checked = 0
     half = len(reqs) // 2
@@ -549,59 +534,3 @@ def test_label_offsets_are_cached_only_while_tables_and_ghost_stand():
             assert pol._offset_of(x) == fresh(x), x
             checked += 1
     assert pol.ghost.runs > 1 and checked > 20
-
-
-def test_stratified_ghosts_split_one_sample_and_average_it():
-    """`ghost_strata=N`: ghost i records exactly the keys whose sampling hash has residue i, and h is the mean of
-    their estimates (checked on a replay at a fixed rate)."""
-    reqs = conversations(150, seed=6)
-    _, pol = _replay(reqs, "answer-length", 80, ghost_sample_rate=6, ghost_strata=3, ghost_window=2048,
-                     ghost_refresh=256, fallback=())
-    ghosts = [pol.ghost] + pol._strata
-    assert len(ghosts) == 3 and all(g.runs > 0 for g in ghosts)
-    for i, g in enumerate(ghosts):
-        keys = {e[0] for e in g._trace}
-        assert keys and all(key_hash(k) % 6 == i for k in keys), i
-    pol._refresh()
-    mean = [sum(c) / 3 for c in zip(*(g.hit_prob for g in ghosts))]
-    assert pol._h == pytest.approx(mean) and pol._h != pol.ghost.hit_prob
-    with pytest.raises(ValueError, match="ghost_strata"):
-        AnswerLengthPolicy(ghost_strata=0)
-
-
-def _first_turn_then_crowd(follow_up_at: float) -> list[TraceRequest]:
-    """A 4-chunk first turn at t=0, then ten one-off 8-chunk first turns (t=1..10) that crowd a 12-block tier,
-    then the first conversation's follow-up (its 3 history chunks and 2 new ones) at `follow_up_at`."""
-    reqs = [(0.0, (100, 101, 102, 103))]
-    nid = 1000
-    for i in range(10):
-        reqs.append((1.0 + i, tuple(range(nid, nid + 8))))
-        nid += 8
-    reqs.append((follow_up_at, (100, 101, 102, 200, 201)))
-    return [TraceRequest(i, t, c, 512 * len(c), 300, 0, None, 1) for i, (t, c) in enumerate(reqs)]
-
-
-def _follow_up_hits(reqs: list[TraceRequest], **kw) -> int:
-    clock = ReplayClock()
-    p = make_policy("answer-length", production=False, clock=clock, **kw)
-    p.set_capacity(12)
-    scored = simulate(reqs, p, 12, clock=clock, score_from=reqs[-1].timestamp)
-    assert not p._prob or all(s.prot for s in p._prob.values())
-    return scored["host_hits"]
-
-
-def test_first_turn_probation_protects_a_revisited_first_turn():
-    """With probation on (small first turns only, so the crowd is not protected), the first turn's history
-    survives the crowd and its follow-up inside the window hits all 3 chunks; with it off (the default) the
-    crowd evicts it; a follow-up after the window misses with probation on too (released, then evicted)."""
-    on = {"probation_share": 0.5, "probation_s": 30.0, "probation_max_blocks": 4}
-    inside = _first_turn_then_crowd(20.0)
-    assert _follow_up_hits(inside) == 0
-    assert AnswerLengthConfig().probation_share == 0.0
-    assert _follow_up_hits(inside, **on) == 3
-    late = _first_turn_then_crowd(60.0)
-    # 9 new chunks at t=45: room for them exists without touching a still-protected 3-chunk first turn
-    late.insert(-1, TraceRequest(len(late) - 1, 45.0, tuple(range(5000, 5009)), 4608, 300, 0, None, 1))
-    late[-1] = TraceRequest(len(late) - 1, 60.0, late[-1].hash_ids, 2560, 300, 0, None, 1)
-    assert _follow_up_hits(late, **on) == 0
-    assert _follow_up_hits(late, **{**on, "probation_s": 100.0}) == 3  # still inside a longer window: kept

@@ -123,7 +123,7 @@ def test_arc_adapts_target_on_ghost_hits():
 def brute_force_best(keys, cap):
     """Max hits over every demand-paging eviction choice (always admit the missed key)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i, cache):
         if i == len(keys):
             return 0

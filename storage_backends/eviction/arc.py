@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from kvtier.storage_backends.eviction.base import EvictionPolicy, Key, register_policy
 
@@ -116,7 +116,7 @@ class ARCPolicy(EvictionPolicy):
                 order = (("t1", self._t1), ("t2", self._t2))
             else:
                 order = (("t2", self._t2), ("t1", self._t1))
-            for name, lst in order:
+            for name, lst in order:  # noqa: B007 (name is read after the loop)
                 key = self._pick(lst, evictable)
                 if key is not None:
                     break

@@ -22,7 +22,7 @@ Optional sizing hint (policies that size internal queues use it, others ignore i
 from __future__ import annotations
 
 import abc
-from typing import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 Key = Hashable
 

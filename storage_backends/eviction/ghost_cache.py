@@ -20,8 +20,9 @@ import heapq
 import logging
 import math
 from collections import deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class ReuseBuckets:
     edges: tuple[float, ...]  #: upper edges, increasing; the last one is the horizon
 
     @classmethod
-    def geometric(cls, first: float = 2.0, horizon: float = 3600.0, ratio: float = 1.35) -> "ReuseBuckets":
+    def geometric(cls, first: float = 2.0, horizon: float = 3600.0, ratio: float = 1.35) -> ReuseBuckets:
         edges = [first]
         while edges[-1] * ratio < horizon:
             edges.append(edges[-1] * ratio)

@@ -6,7 +6,7 @@ The count starts at 1 on insert and is forgotten when the entry leaves the tier 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from kvtier.storage_backends.eviction.base import EvictionPolicy, Key, register_policy
 

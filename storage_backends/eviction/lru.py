@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from kvtier.storage_backends.eviction.base import EvictionPolicy, Key, register_policy
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 

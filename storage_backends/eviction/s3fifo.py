@@ -7,7 +7,7 @@ least `move_to_main_threshold` times moves to M instead of being evicted; M is a
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from kvtier.storage_backends.eviction.base import EvictionPolicy, Key, register_policy
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from kvtier.storage_backends.eviction.base import EvictionPolicy
 
 _lock = threading.Lock()
-_sinks: "weakref.WeakKeyDictionary[EvictionPolicy, tuple[Callable[[Any], Hashable], threading.RLock | None]]" = (
+_sinks: weakref.WeakKeyDictionary[EvictionPolicy, tuple[Callable[[Any], Hashable], threading.RLock | None]] = (
     weakref.WeakKeyDictionary())
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +27,8 @@ class Session:
 
     __slots__ = (
         "sid", "depth", "chain_len", "first_key", "tail_keys", "last_time", "answer_tokens", "keys", "new_blocks",
-        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch", "prot",
-        "odds", "wait", "__weakref__",
+        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch",
+        "__weakref__",
     )
 
     def __init__(self, sid: int, now: float) -> None:
@@ -54,9 +54,6 @@ class Session:
         self.entry = None  #: its latest heap entry, with when it stops being current (the policy's)
         self.until = 0.0
         self.epoch = -1
-        self.prot = False  #: in the policy's first-turn probation (protected from eviction for a while)
-        self.odds: float | None = None  #: odds ratio on its next-turn hit chance (the return model, or a hook)
-        self.wait = None  #: the return model's handle of its current wait for the next turn
 
     def __repr__(self) -> str:
         return f"Session(sid={self.sid}, depth={self.depth}, keys={len(self.keys)}, answer={self.answer_tokens})"
