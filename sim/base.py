@@ -7,9 +7,10 @@ Everything in `kvtier.sim` imports this module; it imports nothing of `kvtier.si
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Collection, Protocol, Sequence
+from typing import Protocol
 
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig
 from kvtier.scheduler_hooks.hint_derivation import PrefixResidency

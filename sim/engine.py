@@ -67,8 +67,8 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 from kvtier.scheduler_hooks.dual_queue_policy import SchedulingPolicy, make_scheduling_policy
 from kvtier.scheduler_hooks.hint_derivation import PrefetchPhase

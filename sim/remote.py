@@ -42,8 +42,8 @@ import heapq
 import logging
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Collection, Sequence
 
 from kvtier.scheduler_hooks.hint_derivation import PrefixResidency
 from kvtier.sim.base import TRACE_BLOCK_TOKENS, GpuJob, SimConfig, SimRequest, SimResult, percentile

@@ -3,8 +3,9 @@ baseline, the table of cluster runs (`--replicas` / `--remote`), and the plot (T
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.scheduler_hooks.dual_queue_policy import BASELINE_NAMES
 from kvtier.sim.base import SimResult

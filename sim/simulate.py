@@ -10,9 +10,9 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Sequence
 
 from kvtier.scheduler_hooks.dual_queue_policy import (
     DUAL_QUEUE_MODIFIERS,

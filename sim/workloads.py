@@ -36,9 +36,9 @@ import json
 import logging
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,9 @@ class _Blocks:
         return out
 
 
-def generate_shared_prefix(spec: SharedPrefixSpec = SharedPrefixSpec()) -> list[dict]:
-    """The workload's requests as Mooncake-format dicts, sorted by timestamp."""
+def generate_shared_prefix(spec: SharedPrefixSpec | None = None) -> list[dict]:
+    """The workload's requests as Mooncake-format dicts, sorted by timestamp (`spec`: the defaults when None)."""
+    spec = SharedPrefixSpec() if spec is None else spec
     rng = random.Random(spec.seed)
     ids = _Blocks()
     p_group = spec.p_group()

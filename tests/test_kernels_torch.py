@@ -56,7 +56,7 @@ def as_np(t: torch.Tensor) -> np.ndarray:
     return t.view(bits_dtype(t.dtype)).numpy()
 
 
-def naive_transfer(case: "Case", caches: list[torch.Tensor], host: torch.Tensor, to_host: bool):
+def naive_transfer(case: Case, caches: list[torch.Tensor], host: torch.Tensor, to_host: bool):
     """Expected (caches, host) after the case's transfer, as numpy int arrays (inputs untouched)."""
     nat = [as_np(c).copy() for c in caches]
     hst = as_np(host).reshape(-1).copy()
@@ -285,7 +285,8 @@ def test_chunks_partial_pages_and_skipped_slots() -> None:
     m2.scatter_chunks(chunks2)
     dviews = [canonical_view(c, kind) for c in dst]
     for layer in range(L):
-        assert torch.equal(dviews[layer][slots[5:] // N, :, slots[5:] % N], views[layer][slots[5:] // N, :, slots[5:] % N])
+        rest = slots[5:]
+        assert torch.equal(dviews[layer][rest // N, :, rest % N], views[layer][rest // N, :, rest % N])
         assert not dviews[layer][slots[:5] // N, :, slots[:5] % N].any()
 
 
@@ -364,7 +365,8 @@ def test_shape_and_buffer_errors() -> None:
     with pytest.raises(LayoutError, match="whole 8-token pages"):
         m8.gather_blocks([0], torch.zeros(2, 4, 8, 8))
     with pytest.raises(LayoutError, match="overlap"):
-        mover.gather_chunks([HostChunk(host.view(-1)[:128], torch.arange(4)), HostChunk(host.view(-1)[64:192], torch.arange(4, 8))])
+        mover.gather_chunks([HostChunk(host.view(-1)[:128], torch.arange(4)),
+                             HostChunk(host.view(-1)[64:192], torch.arange(4, 8))])
     with pytest.raises(LayoutError, match="elements"):
         mover.gather_chunks([HostChunk(host.view(-1)[:100], torch.arange(4))])
     with pytest.raises(LayoutError, match="unknown impl"):

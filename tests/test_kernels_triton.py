@@ -39,8 +39,7 @@ def _worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch
 
-    from kvtier.kernels import HostChunk, KVLayoutKind, LayoutError, PageMover, vllm_cache_shape
-    from kvtier.kernels import triton_ops
+    from kvtier.kernels import HostChunk, KVLayoutKind, LayoutError, PageMover, triton_ops, vllm_cache_shape
 
     cases = _load_torch_tests()
 

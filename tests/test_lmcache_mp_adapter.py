@@ -67,7 +67,7 @@ def l1():
         err, objs = mgr.allocate(layout, n)
         assert objs, err
         made.extend(objs)
-        for i, o in enumerate(objs):
+        for _i, o in enumerate(objs):
             v = o.raw_data.view(torch.uint8)
             if fill is None:
                 v.copy_(torch.randint(0, 256, v.shape, dtype=torch.uint8))
@@ -396,8 +396,8 @@ def test_check_config_accepts_the_shipped_json_and_names_bad_keys(tmp_path):
     from kvtier.cli.check_config import check
 
     good = tmp_path / "l2.json"
-    good.write_text((open(os.path.join(REPO, "configs", "lmcache-mp-l2-kvtier.json")).read()
-                     .replace("/var/cache/kvtier", str(tmp_path / "ssd"))))
+    good.write_text(open(os.path.join(REPO, "configs", "lmcache-mp-l2-kvtier.json")).read()
+                     .replace("/var/cache/kvtier", str(tmp_path / "ssd")))
     assert check(str(good)).startswith(f"OK: {good}: LMCache L2 adapter KVTierL2Adapter")
     assert (tmp_path / "ssd" / SUBDIR).is_dir()
     for change, message in [({"adapter_params": {"ssd_path": str(tmp_path), "ssd_capacity_gb": 1, "io_blocks": 8}},

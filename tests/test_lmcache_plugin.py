@@ -15,6 +15,8 @@ import torch
 
 from kvtier.testing.engine_factory import (
     TINY as SHAPE,
+)
+from kvtier.testing.engine_factory import (
     ModelShape,
     build_engine,
     destroy_engine,

@@ -70,10 +70,10 @@ def _exposed(mirror) -> dict:
 
 
 def test_mirror_shows_what_two_engine_processes_expose():
-    from kvtier.telemetry import series as metrics_core
     from kvtier.connector import metrics  # noqa: F401  (declares the connector's series here too)
     from kvtier.connector.metrics_export import Mirror
     from kvtier.storage_backends import metrics as storage_metrics  # noqa: F401
+    from kvtier.telemetry import series as metrics_core
 
     a, b = _engine(1), _engine(2)
     assert a["payloads"] and b["payloads"]

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvtier.storage_backends.eviction import session_signals
-from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, load_lmcache_config
 from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
 from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
+from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, load_lmcache_config
 
 pytestmark = pytest.mark.compat
 CHUNK = 4096

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.storage_backends.eviction import make_policy
-from kvtier.storage_backends.ssd.index import SlotIndex
 from kvtier.replay import runner as replay
 from kvtier.replay import vllm_offload
 from kvtier.replay.runner import ReplayClock, parse_capacity, replay_one, simulate
 from kvtier.replay.traces import TraceRequest, read_trace, recover_sessions, unique_blocks
+from kvtier.storage_backends.eviction import make_policy
+from kvtier.storage_backends.ssd.index import SlotIndex
 
 REPO = Path(__file__).resolve().parents[1]
 SLICE = REPO / "demo_data" / "mooncake_conversation_slice.jsonl"
@@ -159,7 +159,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     lines = []
     nid, t = 1, 0
-    for s in range(60):  # 60 two-turn conversations on a shared system prompt
+    for _s in range(60):  # 60 two-turn conversations on a shared system prompt
         first = [0] + list(range(nid, nid + 4))
         nid += 4
         lines.append((t, first))

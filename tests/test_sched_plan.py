@@ -1,4 +1,5 @@
-"""Load or recompute (`LoadPlanner`), the shared hint derivation, the `kvtier.scheduler` keys, and HRRN's ready order."""
+"""Load or recompute (`LoadPlanner`), the shared hint derivation, the `kvtier.scheduler` keys, and HRRN's ready
+order."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from kvtier.scheduler_hooks.dual_queue_policy import (
     FCFSPolicy,
     make_scheduling_policy,
 )
-from kvtier.scheduler_hooks.hrrn import GiB, DiskHRRNQueue, response_ratio
+from kvtier.scheduler_hooks.hrrn import DiskHRRNQueue, GiB, response_ratio
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState, classify
 
 MiB = 1 << 20

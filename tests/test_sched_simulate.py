@@ -309,7 +309,7 @@ def synthetic_trace(path: Path, sessions: int = 40, seed: int = 7) -> int:
     rng = random.Random(seed)
     lines = []
     next_block = 1
-    for s in range(sessions):
+    for _s in range(sessions):
         t = rng.uniform(0, 120)
         history = [0]
         for _ in range(rng.randint(1, 5)):

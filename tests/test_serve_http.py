@@ -79,7 +79,8 @@ def served(tmp_path_factory):
     text = (REPO / "configs" / "lmcache-kvtier.yaml").read_text()
     text = text.replace("chunk_size: 256", f"chunk_size: {CHUNK}").replace(
         "max_local_cpu_size: 5 ", f"max_local_cpu_size: {HOST_MB / 1024} ").replace(
-        "/var/cache/kvtier", str(ssd)).replace("kvtier.ssd_capacity_gb: 100", f"kvtier.ssd_capacity_gb: {SSD_MB / 1024}")
+        "/var/cache/kvtier", str(ssd)).replace("kvtier.ssd_capacity_gb: 100",
+                                              f"kvtier.ssd_capacity_gb: {SSD_MB / 1024}")
     yaml.write_text(text)
     kv = json.loads((REPO / "configs" / "vllm-kv-transfer-hrrn.json").read_text())
     kv["kv_connector_extra_config"]["config_file"] = str(yaml)

@@ -197,7 +197,7 @@ def test_concurrent_puts_and_gets(tier_config):
 
     def worker(wid: int):
         rng = random.Random(wid)
-        for i in range(30):
+        for _i in range(30):
             key = f"w{wid}-{rng.randrange(8)}"
             if rng.random() < 0.5:
                 t.submit_put(key, meta(), memoryview(payload(hash(key) % 1000)), lambda ok: None)
