@@ -74,7 +74,7 @@ def main():
         llm.generate([{"prompt_token_ids": h} for h in hist], first_turn, use_tqdm=False)
         before = dict(conn.scheduler_side.counters) if conn is not None else {}
         if conn is not None:  # the first turns' KV is in the host tier before the timed part
-            conn.scheduler_side.client.call({"op": "flush", "timeout": 120})
+            conn.scheduler_side.flush(120)
         arrivals = {a["first_step"] + i * a["gap_steps"]: i for i in range(len(hist))}
         added, first, last, ntok, itl, fu_tokens = {}, {}, {}, {}, [], {}
         t0 = time.perf_counter()

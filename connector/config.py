@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from kvtier.compat import guard
 from kvtier.compat.guard import UnsupportedVersion  # noqa: F401 (re-exported: the connector's start error)
@@ -77,7 +78,7 @@ class ConnectorOptions:
     debug_load_delay_s: float = 0.0
 
     @classmethod
-    def parse(cls, raw: Any) -> "ConnectorOptions":
+    def parse(cls, raw: Any) -> ConnectorOptions:
         if raw is None:
             return cls()
         if not isinstance(raw, Mapping):
@@ -220,7 +221,7 @@ def check_scheduler_keys(raw: Any) -> None:
         return
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{SCHEDULER_KEY} must be an object, got {raw!r}")
-    from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig
+    from kvtier.scheduler_hooks.dual_queue_config import DualQueueConfig
 
     try:
         DualQueueConfig.from_keys(dict(raw), prefix=SCHEDULER_KEY)

@@ -29,6 +29,8 @@ from kvtier.connector.metrics import KVTierConnectorStats, KVTierPromMetrics
 if TYPE_CHECKING:
     import torch
 
+    from kvtier.scheduler_hooks.base import SchedulingPolicy
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,11 +39,11 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         vv, lv = check_versions()
         ktc = vllm_config.kv_transfer_config
-        if int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1) > 1:
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
             from kvtier.storage_backends.config import ConfigError
 
             raise ConfigError("the kvtier connector does not support pipeline parallelism yet")
-        if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+        if ktc.kv_load_failure_policy != "recompute":
             logger.warning("kvtier: kv_load_failure_policy is %r: a KV block that fails to load fails its request; "
                            "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead",
                            ktc.kv_load_failure_policy)
@@ -56,7 +58,7 @@ class KVTierConnector(KVConnectorBase_V1):
             from kvtier.connector.worker_side import WorkerSide
 
             self.worker_side = WorkerSide(vllm_config, self.cfg)
-        if role == KVConnectorRole.SCHEDULER and not int(getattr(vllm_config, "shutdown_timeout", 0) or 0) \
+        if role == KVConnectorRole.SCHEDULER and not vllm_config.shutdown_timeout \
                 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
             logger.warning("kvtier: vLLM's shutdown_timeout is 0: at shutdown vLLM kills its workers at once, and "
                            "SSD writes still queued then are lost (committed chunks are kept); start vllm serve "
@@ -67,7 +69,7 @@ class KVTierConnector(KVConnectorBase_V1):
                    self.cfg.config_file)
 
     # ------------------------------------------------------------------ worker side
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(kv_caches)
 
@@ -180,7 +182,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """The latest `TierHint` of a waiting request (None if unknown)."""
         return self.scheduler_side.tier_hint(request_id) if self.scheduler_side is not None else None
 
-    def set_scheduling_policy(self, policy: Any) -> None:
+    def set_scheduling_policy(self, policy: SchedulingPolicy) -> None:
         """Called by kvtier's dual-queue scheduler: prefetches follow its disk-HRRN order."""
         if self.scheduler_side is not None:
             self.scheduler_side.set_scheduling_policy(policy)

@@ -5,8 +5,9 @@ when scheduler and worker are different processes): KV to load (synchronously in
 request waits in vLLM's WAITING_FOR_REMOTE_KVS state), KV to save (asynchronous by default: each save is a job
 whose completion the worker reports back in `KVTierWorkerMetadata`), requests preempted this step (their saves
 must finish before their blocks are reused), finished requests whose blocks vLLM keeps until their saves are done,
-and finished requests (answer-length feedback for the storage side's eviction policy). Scheduler <-> storage lookups and prefetch commands travel over
-the connector's own RPC (`kvtier.connector.rpc`) as `LookupResult` / `PrefetchResult` dictionaries.
+and finished requests (answer-length feedback for the storage side's eviction policy). Scheduler <-> storage
+lookups and prefetch commands travel over the connector's own RPC (`kvtier.connector.rpc`, typed msgspec requests
+and replies), whose replies carry `LookupResult` / `PrefetchResult`.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 
     completed_saves: dict[int, int] = field(default_factory=dict)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
-        for job, n in getattr(other, "completed_saves", {}).items():
-            self.completed_saves[job] = self.completed_saves.get(job, 0) + n
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
+        if isinstance(other, KVTierWorkerMetadata):
+            for job, n in other.completed_saves.items():
+                self.completed_saves[job] = self.completed_saves.get(job, 0) + n
         return self
 
 
@@ -109,7 +111,7 @@ class LookupResult:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LookupResult":
+    def from_dict(cls, d: dict[str, Any]) -> LookupResult:
         return cls(**{k: int(d.get(k, 0)) for k in ("host_end", "hit_end", "ssd_tokens", "ssd_bytes", "chunk_size",
                                                       "remote_tokens", "remote_bytes")})
 
@@ -119,7 +121,7 @@ class LookupResult:
         return self.ssd_tokens + self.remote_tokens
 
     @staticmethod
-    def combine(results: list["LookupResult"]) -> "LookupResult":
+    def combine(results: list[LookupResult]) -> LookupResult:
         """The usable prefix over several ranks (each rank holds its own shard of every chunk)."""
         if not results:
             return LookupResult()
@@ -147,6 +149,6 @@ class PrefetchResult:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "PrefetchResult":
+    def from_dict(cls, d: dict[str, Any]) -> PrefetchResult:
         return cls(bool(d.get("ok")), int(d.get("tokens", 0)), int(d.get("nbytes", 0)), float(d.get("seconds", 0.0)),
                    str(d.get("error", "")))

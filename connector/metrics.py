@@ -94,7 +94,7 @@ class KVTierConnectorStats(KVConnectorStats):
         for k, v in kw.items():
             self.data[k] = self.data.get(k, 0) + v
 
-    def add_export(self, payload: dict[str, Any] | None) -> "KVTierConnectorStats":
+    def add_export(self, payload: dict[str, Any] | None) -> KVTierConnectorStats:
         """Attach a `metrics_export.Exporter` payload (this process's series changes) for the API server."""
         if payload:
             self.data.setdefault(metrics_export.PAYLOAD_KEY, []).append(payload)
@@ -103,7 +103,7 @@ class KVTierConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {k: 0 for k in _SUM_KEYS}
 
-    def aggregate(self, other: KVConnectorStats) -> "KVTierConnectorStats":
+    def aggregate(self, other: KVConnectorStats) -> KVTierConnectorStats:
         for k, v in (other.data or {}).items():
             if k == metrics_export.PAYLOAD_KEY:
                 self.data.setdefault(k, []).extend(v)  # changes of different processes or steps: keep them all

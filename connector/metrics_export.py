@@ -31,7 +31,8 @@ import importlib
 import os
 import socket
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import Metric

@@ -3,12 +3,10 @@
 - `register_kv_caches`: builds the engine for this rank's KV tensors (layout detected from the attention backend),
   checks that LMCache really loaded the kvtier plugin (LMCache only logs a plugin's start-up error), and starts the
   storage RPC endpoint the scheduler side uses for lookups and prefetches.
-- Lookups walk a request's chunk keys: host tier (LMCache's `LocalCPUBackend`), then the SSD tier, then the shared
-  tier when the LMCache config names a remote store (`connector/shared_side.py`: local tiers always first).
-- Prefetches read SSD-only and shared-only chunks into the host tier on a background thread (never inside a
-  forward pass) and pin them for the request until its load. A chunk another prefetch is reading from the SSD
-  is not read again: the second prefetch waits for that read (after issuing its own) and pins the chunk when it
-  lands (reading it itself only if that read failed); counted in kvtier_connector_prefetch_shared_chunks_total.
+- The RPC (`handle`, typed requests of `connector/rpc.py` dispatched by type) serves lookups, host-memory pins and
+  prefetches (`connector/worker_storage.py`: host tier, then SSD, then the shared tier when the LMCache config
+  names a remote store; prefetches read into the host tier on background threads, never in a forward pass),
+  flushes and counters. The SSD tier is reached through one narrow handle (`SSDTierHandle`), built at start-up.
 - `start_load_kv` retrieves from the host tier through the page-first connector: small loads inside the step,
   before the forward pass; larger ones (`LoadSpec.is_async`) on the transfer thread (`connector/transfers.py`)
   while the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, reported through `get_finished`. Any token that
@@ -30,12 +28,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.compat import lmcache_retrieve_pins
 from kvtier.connector import metrics as M
 from kvtier.connector.config import ConnectorConfig
 from kvtier.connector.messages import (
@@ -43,14 +40,33 @@ from kvtier.connector.messages import (
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
     LoadSpec,
-    LookupResult,
-    PrefetchResult,
     SaveSpec,
 )
-from kvtier.connector.rpc import RPCServer, endpoint
+from kvtier.connector.rpc import (
+    Ack,
+    Flush,
+    Lookup,
+    LookupReply,
+    Ping,
+    PingReply,
+    Poll,
+    PollReply,
+    Prefetch,
+    Release,
+    Reply,
+    Request,
+    RPCServer,
+    Stats,
+    StatsReply,
+    endpoint,
+)
 from kvtier.connector.transfers import StreamFence, TransferJob, TransferQueue
-from kvtier.storage_backends.eviction import session_signals
+from kvtier.connector.worker_storage import SSDTierHandle, WorkerStorage
 from kvtier.storage_backends.config import ConfigError
+from kvtier.storage_backends.eviction import session_signals
+
+if TYPE_CHECKING:
+    from kvtier.connector.shared_side import SharedSide
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +89,7 @@ def _rank(vllm_config: Any) -> int:
 
         return int(get_tensor_model_parallel_rank())
     except Exception:
-        return int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+        return int(vllm_config.parallel_config.rank)
 
 
 def slot_mapping(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
@@ -96,23 +112,17 @@ class WorkerSide:
         self.instance_id = f"kvtier-{self.engine_id}-r{self.rank}"
         self.engine: Any = None
         self.host: Any = None  # LMCache LocalCPUBackend
-        self.ssd: Any = None  # KVTierBackend
-        self.shared: Any = None  # SharedSide, when the LMCache config names a shared store
+        self.ssd: SSDTierHandle | None = None  # kvtier's SSD tier, through the LMCache plugin that owns it
+        self.shared: SharedSide | None = None  # when the LMCache config names a shared store
+        #: lookups, pins and prefetches (built with the engine)
+        self.storage: WorkerStorage | None = None
         self.kv_list: list[torch.Tensor] = []
         self.server: RPCServer | None = None
         self.stats = M.KVTierConnectorStats()
         self._stats_lock = threading.Lock()
-        self._lock = threading.RLock()
-        self._pins: dict[str, dict[Any, None]] = {}
-        self._retrieve_pins = lmcache_retrieve_pins.for_installed()
-        self._prefetch_done: dict[str, PrefetchResult] = {}
-        self._prefetching: set[str] = set()
-        #: chunk key -> set when the prefetch reading it from SSD has put it into the host tier (or failed): a
-        #: second prefetch of the same chunk waits for that read instead of issuing its own
-        self._reading: dict[Any, threading.Event] = {}
-        self._cancelled: set[str] = set()
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=cfg.options.prefetch_concurrency,
-                                                 thread_name_prefix="kvtier-prefetch")
+        self._rpc: dict[type[Request[Any]], Callable[[Any], Reply]] = {
+            Ping: self._on_ping, Lookup: self._on_lookup, Prefetch: self._on_prefetch, Poll: self._on_poll,
+            Release: self._on_release, Flush: self._on_flush, Stats: self._on_stats}
         self._load_errors: set[int] = set()
         self._metadata: KVTierConnectorMetadata | None = None
         self._closed = False
@@ -137,9 +147,7 @@ class WorkerSide:
         name = None
         try:
             ctx = self.vllm_config.compilation_config.static_forward_context
-            layer = ctx[names[0]]
-            backend = getattr(layer, "attn_backend", None) or layer.get_attn_backend()
-            name = backend.get_name()
+            name = ctx[names[0]].attn_backend.get_name()
         except Exception:
             logger.debug("kvtier: cannot read the attention backend of %s", names[0], exc_info=True)
         if name is None:
@@ -169,8 +177,8 @@ class WorkerSide:
         from lmcache.v1.metadata import LMCacheMetadata
 
         from kvtier.kernels.layout import KVLayoutKind, LayoutError
-        from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
         from kvtier.storage_backends.lmcache.backend import kvtier_backend
+        from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
 
         try:
             from vllm.model_executor.models.utils import extract_layer_index
@@ -197,12 +205,13 @@ class WorkerSide:
         self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.cfg.lmcache, md, gpu_conn,
                                                          lambda t, r: None, lambda o, r: o)
         self.engine.post_init()
-        self.ssd = kvtier_backend(self.engine)
-        if self.ssd is None or getattr(self.ssd, "tier", None) is None:
+        plugin = kvtier_backend(self.engine)
+        if plugin is None or plugin.tier is None:
             self.close()
             raise ConfigError(f"LMCache did not start the kvtier SSD tier from {self.cfg.config_file} (its start-up "
                               "error is in the log above: LMCache only logs it); run `kvtier check-config "
                               f"{self.cfg.config_file}` to see the problem")
+        self.ssd = SSDTierHandle(plugin)
         self.host = self.engine.storage_manager.storage_backends.get("LocalCPUBackend")
         if self.host is None:
             self.close()
@@ -214,6 +223,8 @@ class WorkerSide:
             except Exception:
                 self.close()
                 raise
+        self.storage = WorkerStorage(self.host, self.ssd, self.shared, self._chunks, chunk, self.cfg.options,
+                                     self._stat, self._notify_progress)
         self.server = RPCServer(endpoint(self.engine_id, self.rank), self.handle)
         # LMCache keeps non-daemon threads until its engine is closed: close it before the interpreter joins
         # them, or an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) never exits.
@@ -225,9 +236,9 @@ class WorkerSide:
                 pass
         logger.info("kvtier connector worker rank %d: %d layers, layout %s, chunk %d tokens, page %d tokens, SSD tier "
                     "at %s (%d chunks)", self.rank, len(self.kv_list), kind.value, chunk, self.cfg.page_tokens,
-                    self.ssd.tier.directory, len(self.ssd.tier))
+                    self.ssd.directory, len(self.ssd))
 
-    def _attach_shared(self, md: Any, heads: int, head_dim: int) -> Any:
+    def _attach_shared(self, md: Any, heads: int, head_dim: int) -> SharedSide:
         from kvtier.connector.shared_side import SharedSide
         from kvtier.storage_backends.lmcache.backend import expected_layout
         from kvtier.storage_backends.shared.tier import attach_shared_tier
@@ -245,41 +256,44 @@ class WorkerSide:
         return SharedSide(tier, self._chunks, self.cfg.chunk_size)
 
     # ------------------------------------------------------------------ RPC
-    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = req.get("op")
-        if op == "ping":
-            return {"ok": True, "rank": self.rank, "chunk_size": self.cfg.chunk_size}
-        if op == "lookup":
-            if req.get("finished"):
-                self._feedback([FinishedSpec(**d) for d in req["finished"]])
-            return self.lookup(str(req["rid"]), list(req["tokens"]), bool(req.get("pin")),
-                               bool(req.get("first"))).to_dict()
-        if op == "prefetch":
-            self.submit_prefetch(str(req["rid"]), list(req["tokens"]))
-            return {"ok": True}
-        if op == "poll":
-            with self._lock:
-                done = {rid: self._prefetch_done.pop(rid).to_dict() for rid in req.get("rids", [])
-                        if rid in self._prefetch_done}
-            return {"done": done}
-        if op == "release":
-            self.release(str(req["rid"]))
-            return {"ok": True}
-        if op == "flush":  # the transfer thread's queued saves first, then the SSD tier's and the shared tier's writes
-            timeout = float(req.get("timeout", 60))
-            ok = bool(self.transfers.drain(timeout)) if self.transfers is not None else True
-            ok = bool(self.ssd.flush(timeout)) and ok
-            if self.shared is not None:
-                ok = bool(self.shared.flush(timeout)) and ok
-            return {"ok": ok}
-        if op == "stats":
-            policy_stats = getattr(self.ssd.tier.policy, "stats", None)
-            return {"ssd": self.ssd.tier.stats.as_dict(), "ssd_chunks": len(self.ssd.tier),
-                    "host_chunks": len(self.host.hot_cache),
-                    "ssd_policy": {"name": self.ssd.tier.policy.name,
-                                   **(policy_stats() if callable(policy_stats) else {})},
-                    "shared": self.shared.stats() if self.shared is not None else None}
-        raise ValueError(f"unknown op {op!r}")
+    def handle(self, req: Request[Any]) -> Reply:
+        """Answer one request of the scheduler side (the RPC server's thread; errors go back as `Failed`)."""
+        handler = self._rpc.get(type(req))
+        if handler is None:
+            raise ValueError(f"no handler for {type(req).__name__}")
+        return handler(req)
+
+    def _storage(self) -> WorkerStorage:
+        if self.storage is None:
+            raise RuntimeError("the worker's storage side is not started (no KV caches registered)")
+        return self.storage
+
+    def _on_ping(self, req: Ping) -> PingReply:
+        return PingReply(rank=self.rank, chunk_size=self.cfg.chunk_size)
+
+    def _on_lookup(self, req: Lookup) -> LookupReply:
+        if req.finished:
+            self._feedback(req.finished)
+        return LookupReply(self._storage().lookup(req.rid, req.tokens, req.pin, req.first))
+
+    def _on_prefetch(self, req: Prefetch) -> Ack:
+        self._storage().submit_prefetch(req.rid, req.tokens)
+        return Ack()
+
+    def _on_poll(self, req: Poll) -> PollReply:
+        return PollReply(self._storage().take_results(req.rids))
+
+    def _on_release(self, req: Release) -> Ack:
+        self.release(req.rid)
+        return Ack()
+
+    def _on_flush(self, req: Flush) -> Ack:
+        """The transfer thread's queued saves first, then the SSD tier's and the shared tier's writes."""
+        ok = bool(self.transfers.drain(req.timeout)) if self.transfers is not None else True
+        return Ack(ok=self._storage().flush(req.timeout) and ok)
+
+    def _on_stats(self, req: Stats) -> StatsReply:
+        return self._storage().stats()
 
     def _chunks(self, tokens: list[int]) -> list[tuple[int, int, Any]]:
         if not tokens:
@@ -292,159 +306,11 @@ class WorkerSide:
         c = self.cfg.chunk_size
         return [key for s, e, key in self._chunks(tokens) if e - s == c]
 
-    def _pin(self, rid: str, key: Any) -> bool:
-        pins = self._pins.setdefault(rid, {})
-        if key in pins:
-            return self.host.contains(key)
-        if self.host.pin(key):
-            pins[key] = None
-            return True
-        return False
-
-    def lookup(self, rid: str, tokens: list[int], pin: bool = False, first: bool = False) -> LookupResult:
-        tier = self.ssd.tier
-        host_end = hit_end = ssd_tokens = ssd_bytes = remote_tokens = 0
-        host_run = True
-        chunks = self._chunks(tokens)
-        missing = None  # first chunk in neither local tier
-        with self._lock:
-            for i, (start, end, key) in enumerate(chunks):
-                if host_run and (self._pin(rid, key) if pin else self.host.contains(key)):
-                    host_end = end
-                elif self.host.contains(key):
-                    pass
-                elif tier.contains(key.to_string()):
-                    host_run = False
-                    ssd_tokens += end - start
-                    ssd_bytes += tier.chunk_bytes
-                else:
-                    missing = i
-                    break
-                hit_end = end
-        if missing is not None and self.shared is not None:  # the network only for what the local tiers lack
-            rest = chunks[missing:]
-            for start, end, key in rest[:self.shared.prefix(rid, [k for _, _, k in rest])]:
-                remote_tokens += end - start
-                hit_end = end
-        if first:
-            session_signals.request_arrived([k for s, e, k in chunks if e - s == self.cfg.chunk_size])
-        return LookupResult(host_end, hit_end, ssd_tokens, ssd_bytes, self.cfg.chunk_size, remote_tokens,
-                            remote_tokens // self.cfg.chunk_size * tier.chunk_bytes)
-
     def release(self, rid: str) -> None:
-        with self._lock:
-            for key in self._pins.pop(rid, {}):
-                self.host.unpin(key)
-            self._prefetch_done.pop(rid, None)
-            if self.shared is not None:
-                self.shared.forget(rid)
-            if rid in self._prefetching:
-                self._cancelled.add(rid)  # the prefetch releases its pins when it ends
-
-    def submit_prefetch(self, rid: str, tokens: list[int]) -> None:
-        with self._lock:
-            self._prefetching.add(rid)
-            self._cancelled.discard(rid)
-        self._prefetch_pool.submit(self._prefetch, rid, tokens)
-
-    def _prefetch(self, rid: str, tokens: list[int]) -> None:
-        t0 = time.monotonic()
-        if self.cfg.options.debug_prefetch_delay_s:
-            time.sleep(self.cfg.options.debug_prefetch_delay_s)
-        own: dict[Any, threading.Event] = {}  # chunks this prefetch reads for every prefetch that needs them
-        acc = [0, 0, True]  # bytes and tokens put into the host tier, whether every chunk arrived
-        try:
-            todo, waits, chunks, missing = [], [], self._chunks(tokens), None
-            with self._lock:
-                for i, (start, end, key) in enumerate(chunks):
-                    # Pin what is already in host memory: the chunks this prefetch brings in must not evict it.
-                    if self._pin(rid, key):
-                        continue
-                    landing = self._reading.get(key)
-                    if landing is not None:  # another prefetch is reading it: wait for that read, not a second
-                        waits.append((start, end, key, landing))
-                        continue
-                    if not self.ssd.tier.contains(key.to_string()):
-                        missing = i
-                        break
-                    todo.append((start, end, key))
-                    self._reading[key] = own[key] = threading.Event()
-            objs = self.ssd.read([k for _, _, k in todo], wait_for_memory=False) if todo else []
-            if waits:
-                M.PREFETCH_SHARED_CHUNKS.inc(len(waits))
-                self._stat(prefetch_shared_chunks=len(waits))
-                # our own reads first (above), so two prefetches waiting for each other's chunks cannot deadlock
-                self._land(rid, todo, objs, acc)
-                with self._lock:
-                    self._signal(own)
-                todo, objs = [], []
-                deadline = t0 + self.cfg.options.prefetch_timeout_s
-                again = []
-                for start, end, key, landing in waits:
-                    landing.wait(max(deadline - time.monotonic(), 0.0))
-                    with self._lock:
-                        if not self._pin(rid, key) and self.ssd.tier.contains(key.to_string()):
-                            again.append((start, end, key))  # that read failed or was evicted: read it here
-                if again:
-                    todo, objs = again, self.ssd.read([k for _, _, k in again], wait_for_memory=False)
-            if missing is not None and self.shared is not None and all(o is not None for o in objs):
-                rest = chunks[missing:]
-                remote = rest[:self.shared.prefix(rid, [k for _, _, k in rest])]
-                if remote:  # the chunks only the shared tier holds, after the local ones
-                    todo += remote
-                    objs += self.shared.read([k for _, _, k in remote])
-            self._land(rid, todo, objs, acc)
-            with self._lock:
-                self._signal(own)
-                host_end = 0
-                for _, end, key in self._chunks(tokens):
-                    if not self._pin(rid, key):
-                        break
-                    host_end = end
-            dt = time.monotonic() - t0
-            M.PREFETCH_SECONDS.observe(dt)
-            nbytes, ntok, ok = acc
-            M.PREFETCH_BYTES.inc(nbytes)
-            self._stat(prefetches=1, prefetched_tokens=ntok, prefetch_seconds=dt)
-            res = PrefetchResult(ok, host_end, nbytes, dt, "" if ok else "a chunk could not be read (SSD or shared "
-                                 "tier)")
-        except Exception as e:  # the request then recomputes what is not in host memory
-            logger.exception("kvtier: prefetch of %s failed", rid)
-            res = PrefetchResult(False, 0, 0, time.monotonic() - t0, f"{type(e).__name__}: {e}")
-        with self._lock:
-            self._signal(own)
-            self._prefetching.discard(rid)
-            if rid in self._cancelled:
-                self._cancelled.discard(rid)
-                self.release(rid)
-            else:
-                self._prefetch_done[rid] = res
-        self._notify_progress()
-
-    def _land(self, rid: str, todo: list[tuple[int, int, Any]], objs: list[Any], acc: list[Any]) -> None:
-        """Put a prefetch's read chunks into the host tier pinned for `rid`, in order up to the first that did not
-        arrive (`acc`: bytes, tokens, all arrived)."""
-        with self._lock:
-            for (start, end, key), obj in zip(todo, objs):
-                if obj is None:
-                    acc[2] = False
-                    break
-                self.host.submit_put_task(key, obj)
-                self._pin(rid, key)
-                acc[0] += obj.get_size()
-                acc[1] += end - start
-            for obj in objs:
-                if obj is not None:
-                    obj.ref_count_down()
-
-    def _signal(self, own: dict[Any, threading.Event]) -> None:
-        """(under self._lock) A prefetch's own reads ended: prefetches waiting for those chunks go on (and read a
-        chunk themselves if it did not arrive)."""
-        for key, landing in own.items():
-            if self._reading.get(key) is landing:
-                del self._reading[key]
-            landing.set()
-        own.clear()
+        """Drop the request's host-memory pins (and its prefetch's result; a running prefetch releases them when
+        it ends)."""
+        if self.storage is not None:
+            self.storage.release(rid)
 
     # ------------------------------------------------------------------ per step
     def bind(self, md: KVTierConnectorMetadata) -> None:
@@ -507,8 +373,8 @@ class WorkerSide:
             ret = self.engine.retrieve(tokens, mask, kvcaches=self.kv_list,
                                        slot_mapping=slot_mapping(spec.block_ids, self.block_size, n),
                                        vllm_cached_tokens=spec.gpu_cached, req_id=spec.req_id)
-            if self._retrieve_pins.consumes_pins:
-                self._forget_consumed_pins(spec.req_id, spec.token_ids[:n], ret, skip)
+            if self.storage is not None:
+                self.storage.after_retrieve(spec.req_id, spec.token_ids[:n], ret, skip)
             got = ret[spec.gpu_cached:n]
             return None if bool(got.all()) else spec.gpu_cached + int((~got).nonzero()[0])
         except Exception:
@@ -590,8 +456,12 @@ class WorkerSide:
             return
         q = self.transfers
 
+        storage = self.storage
+
         def news() -> bool:  # something to report, or nothing left to wait for
-            return q.has_done() or bool(self._prefetch_done) or not (len(q) or self._prefetching)
+            if storage is None:
+                return q.has_done() or not len(q)
+            return q.has_done() or storage.has_results() or not (len(q) or storage.prefetching())
 
         t0 = time.monotonic()
         with self._progress:
@@ -607,19 +477,6 @@ class WorkerSide:
             return None
         out, self._completed_saves = KVTierWorkerMetadata(self._completed_saves), {}
         return out
-
-    def _forget_consumed_pins(self, rid: str, tokens: list[int], ret: torch.Tensor, skip: int) -> None:
-        """LMCache <= 0.5.5 released one pin of each chunk its retrieve returned (`kvtier.compat.
-        lmcache_retrieve_pins`): those are no longer this request's to release."""
-        try:
-            retrieved = [k for start, end, k in self._chunks(tokens) if start >= skip and bool(ret[start:end].all())]
-        except Exception:  # then they are released twice: LMCache logs it and clamps the count at 0
-            logger.exception("kvtier: cannot tell which chunks the retrieve of %s unpinned", rid)
-            return
-        with self._lock:
-            pins = self._pins.get(rid)
-            if pins:
-                self._pins[rid] = dict.fromkeys(self._retrieve_pins.still_pinned(pins, retrieved))
 
     def _token_bytes(self) -> int:
         t = self.kv_list[0]
@@ -708,7 +565,8 @@ class WorkerSide:
         if self.server is not None:
             self.server.close()
             self.server = None
-        self._prefetch_pool.shutdown(wait=True, cancel_futures=True)
+        if self.storage is not None:
+            self.storage.close()
         if self.transfers is not None:
             if not self.transfers.close(60):
                 logger.warning("kvtier: loads or saves still queued on the transfer thread after 60 s are dropped")
@@ -723,7 +581,7 @@ class WorkerSide:
 
             try:
                 flushed = self.ssd.flush(60) if self.ssd is not None else True
-                chunks = len(self.ssd.tier) if self.ssd is not None and self.ssd.tier is not None else 0
+                chunks = len(self.ssd) if self.ssd is not None else 0
                 LMCacheEngineBuilder.destroy(self.instance_id)
                 logger.info("kvtier connector worker rank %d closed: %s, %d chunks on the SSD tier", self.rank,
                             "queued SSD writes committed" if flushed else "SSD writes still queued after 60 s lost",

@@ -3,10 +3,12 @@
 Plain-Python core (no vLLM import; the simulator, the connector's prefetcher and the vLLM hook share it):
 - `TierHint` / `TierState` (`tier_hint`): where a waiting request's prefix KV lives, published by the connector.
 - `DiskHRRNQueue` (`hrrn`): SSD reads in disk-HRRN order (1 + waiting time / KV bytes, highest first).
-- `DualQueuePolicy` / `FCFSPolicy` (`dual_queue_policy`): Bidaw's ready + preparing queues, Strata's delay-hit
-  avoidance, a starvation bound; `make_scheduling_policy(name)`.
+- `SchedulingPolicy` (`base`): the contract every caller drives a policy through.
+- `DualQueuePolicy` (`dual_queue_policy`, knobs in `dual_queue_config`): Bidaw's ready + preparing queues, Strata's
+  delay-hit avoidance, a starvation bound; `FCFSPolicy` (`fcfs`), the baseline; `make_scheduling_policy(name)`.
+- `LoadPlanner` (`load_plan`) and `derive_tier_hint` (`hint_derivation`): load or recompute, per request.
 
-`kvtier simulate` (a discrete-event replay with the same policy objects) and its cost model live in `kvtier.tools`.
+`kvtier simulate` (a discrete-event replay with the same policy objects) and its cost model live in `kvtier.sim`.
 
 vLLM hook (imported lazily, needs vLLM): `DualQueueScheduler` (`dual_queue`), for
 `--scheduler-cls kvtier.scheduler_hooks.DualQueueScheduler`.

@@ -78,7 +78,8 @@ class DualQueueScheduler(Scheduler):
             total_blocks = int(self.kv_cache_config.num_blocks)
         except (AttributeError, TypeError, ValueError):
             pass
-        return DualQueueConfig.from_keys(extra, gpu_capacity=total_blocks, kv_bytes_per_token=self._kv_bytes_per_token())
+        return DualQueueConfig.from_keys(extra, gpu_capacity=total_blocks,
+                                         kv_bytes_per_token=self._kv_bytes_per_token())
 
     def _kv_bytes_per_token(self) -> int | None:
         """The model's KV bytes per token, from the KV cache spec (every layer of every group)."""

@@ -9,9 +9,9 @@ Queues of a `DualQueuePolicy`:
   (a request promoted from the preparing queue, its SSD data landed in host memory, is inserted at its arrival
   position, not at the tail); `hrrn` (SGLang's prefill policy) is highest response ratio next,
   (waiting time + 1 ms) / estimated service time, the service time being the GPU seconds of its uncached part
-  and its loads (the load plan's cost model: short prefills go first, waiting raises every ratio). `pick` returns the first ready
-  request in that order that fits the free GPU memory: a request too large for it is skipped, it does not block
-  the queue.
+  and its loads (the load plan's cost model: short prefills go first, waiting raises every ratio). `pick` returns
+  the first ready request in that order that fits the free GPU memory: a request too large for it is skipped, it
+  does not block the queue.
 - **preparing**: requests with part of their prefix only on the SSD (`PREPARING`) or only in the shared tier
   (`REMOTE`: treated alike, sized by `TierHint.prefetch_bytes`), in disk-HRRN order (`DiskHRRNQueue`);
   `next_prefetch` hands the next read to the prefetcher and marks the request `LOADING`.
@@ -36,21 +36,10 @@ Queues of a `DualQueuePolicy`:
   requests - goes first: in the ready queue it is no longer skipped for size (the GPU waits for memory to free up
   for it) nor deferred for delay hits; in the preparing queue its read is issued before any HRRN choice.
 
-Call protocol (one thread; the caller serialises):
-    add(hint, gpu_need)           a request was queued (`gpu_need`: GPU KV units it must allocate, same unit as
-                                  the `free_gpu` passed to `pick`/`order`: blocks in vLLM, tokens in the simulator)
-    update(hint)                  data moved: a newer hint for a waiting request (moves it between queues; the
-                                  hint's state is authoritative: publish LOADING while its read is in flight)
-    next_prefetch(now)            prefetcher: which request's SSD read to issue next (None: nothing to read)
-    prefetch_done(request_id)     its read landed in host memory: promote to the ready queue
-    pick(now, free_gpu)           scheduler: the next request to admit, or None (not removed)
-    order(now, free_gpu)          scheduler: every waiting request in the order to try (for vLLM's waiting queue)
-    dispatched(request_id, now)   it was admitted: it leaves the queues; its wait feeds the mean
-    observe_gpu_busy(now, busy_s) the engine side: the GPU's cumulative busy seconds (for `replan_idle`)
-    replan_idle(read_s, free_gpu) the GPU is about to idle: maybe recompute a waiting request's SSD part
-    remove(request_id)            aborted / finished elsewhere
-
-`FCFSPolicy` is the baseline with the same interface (vLLM's default order; head-of-line blocking).
+The call protocol is the `SchedulingPolicy` contract (`scheduler_hooks/base.py`); the knobs are
+`DualQueueConfig` (`scheduler_hooks/dual_queue_config.py`). `FCFSPolicy` (`scheduler_hooks/fcfs.py`) is the
+baseline with the same interface (vLLM's default order; head-of-line blocking); `make_scheduling_policy(name)`
+builds either by name. The names below stay importable from here.
 """
 
 from __future__ import annotations
@@ -59,12 +48,15 @@ import bisect
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from collections.abc import Callable
+from dataclasses import replace
 
+from kvtier.scheduler_hooks.base import SchedulingPolicy, Waiting
+from kvtier.scheduler_hooks.dual_queue_config import READY_ORDERS, SCHEDULER_KEYS, DualQueueConfig
+from kvtier.scheduler_hooks.fcfs import FCFSPolicy
 from kvtier.scheduler_hooks.gpu_load import GpuLoad
-from kvtier.scheduler_hooks.hrrn import GiB, DiskHRRNQueue
-from kvtier.scheduler_hooks.load_plan import LOAD_PLAN_KEYS, LoadPlanConfig, LoadPlanner
+from kvtier.scheduler_hooks.hrrn import DiskHRRNQueue
+from kvtier.scheduler_hooks.load_plan import LoadPlanner
 from kvtier.scheduler_hooks.ratio_index import RatioIndex
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 
@@ -86,95 +78,6 @@ __all__ = [
 ]
 
 
-READY_ORDERS = ("arrival", "hrrn")
-#: keys of `kv_connector_extra_config["kvtier.scheduler"]` (README, "Using kvtier with vLLM")
-SCHEDULER_KEYS = ("delay_hit", "delay_hit_own_loads", "delay_hit_threshold_tokens", "starvation_multiple", "starvation_floor_s",
-                  "mean_window", "ready_order", "idle_replan_counts_arrivals", "hrrn_service_exponent",
-                  "starvation_lookahead") + LOAD_PLAN_KEYS
-
-
-@dataclass(frozen=True, slots=True)
-class DualQueueConfig:
-    """Knobs of `DualQueuePolicy` (defaults: the values used in production and by `kvtier simulate`)."""
-
-    delay_hit: bool = True
-    #: with `delay_hit`: the idle-GPU re-plan does not recompute an SSD part whose own read is already issued
-    delay_hit_own_loads: bool = False
-    #: the idle-GPU re-plan charges a recompute with the work expected to arrive while the read is in flight
-    #: (`ArrivalLoad`, `LoadPlanner.recompute_now`); False: recompute whenever that is sooner for the request
-    idle_replan_counts_arrivals: bool = True
-    delay_hit_threshold_tokens: int = 100
-    starvation_multiple: float = 4.0
-    starvation_floor_s: float = 2.0
-    mean_window: int = 256
-    hrrn_byte_unit: int = GiB
-    #: total GPU KV units (same unit as `gpu_need`); a request needing more can never run, and the starvation bound
-    #: does not hold the queue for it (the engine must reject it). None: unknown.
-    gpu_capacity: int | None = None
-    #: order of the ready queue: `arrival` (FCFS by original arrival) or `hrrn` (by uncached service time)
-    ready_order: str = "arrival"
-    #: HRRN's aging weight: the ready ratio is (waiting time + 1 ms) / service ** this; 1 is plain HRRN, larger
-    #: favours short prefills longer (the starvation bound still caps every wait), 0 is FCFS by arrival
-    hrrn_service_exponent: float = 1.0
-    #: with `hrrn`: the starvation bound looks ahead - a ready request goes next only if serving it first leaves
-    #: every older ready request able to start within the bound (served in arrival order after it, by their
-    #: service estimates); otherwise the highest-ratio request that does (the oldest one always does)
-    starvation_lookahead: bool = False
-    #: the load-or-recompute decision's knobs and cost model (also the service-time estimate of `hrrn`)
-    load_plan: LoadPlanConfig = field(default_factory=LoadPlanConfig)
-
-    @classmethod
-    def from_keys(cls, keys: dict | None, *, gpu_capacity: int | None = None, kv_bytes_per_token: int | None = None,
-                  prefix: str = "kvtier.scheduler") -> "DualQueueConfig":
-        """Build from the `kvtier.scheduler` dict of `kv_connector_extra_config` (keys: SCHEDULER_KEYS); a wrong key
-        or value raises ValueError naming the key and what it accepts."""
-        keys = dict(keys or {})
-        unknown = sorted(set(keys) - set(SCHEDULER_KEYS))
-        if unknown:
-            raise ValueError(f"{prefix}: unknown key(s) {', '.join(unknown)}; known: {', '.join(SCHEDULER_KEYS)}")
-        out: dict = {}
-        for key in ("delay_hit", "delay_hit_own_loads", "idle_replan_counts_arrivals", "starvation_lookahead"):
-            if key in keys:
-                if not isinstance(keys[key], bool):
-                    raise ValueError(f"{prefix}.{key} must be true or false, got {keys[key]!r}")
-                out[key] = keys[key]
-        for key in ("delay_hit_threshold_tokens", "mean_window"):
-            if key in keys:
-                v = keys[key]
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise ValueError(f"{prefix}.{key} must be an integer >= 1, got {v!r}")
-                out[key] = v
-        for key, lo in (("starvation_multiple", 0.0), ("starvation_floor_s", None), ("hrrn_service_exponent", None)):
-            if key in keys:
-                v = keys[key]
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and \
-                    (v > lo if lo is not None else v >= 0)
-                if not ok:
-                    raise ValueError(f"{prefix}.{key} must be a number {'> 0' if lo is not None else '>= 0'}, "
-                                     f"got {v!r}")
-                out[key] = float(v)
-        if "ready_order" in keys:
-            if keys["ready_order"] not in READY_ORDERS:
-                raise ValueError(f"{prefix}.ready_order must be one of {', '.join(READY_ORDERS)}, got "
-                                 f"{keys['ready_order']!r}")
-            out["ready_order"] = keys["ready_order"]
-        plan = LoadPlanConfig.from_keys({k: v for k, v in keys.items() if k in LOAD_PLAN_KEYS},
-                                        kv_bytes_per_token=kv_bytes_per_token, prefix=prefix)
-        return cls(gpu_capacity=gpu_capacity, load_plan=plan, **out)
-
-    def __post_init__(self) -> None:
-        if self.ready_order not in READY_ORDERS:
-            raise ValueError(f"ready_order must be one of {', '.join(READY_ORDERS)}, got {self.ready_order!r}")
-        if self.delay_hit_threshold_tokens < 1:
-            raise ValueError("delay_hit_threshold_tokens must be >= 1")
-        if self.starvation_multiple <= 0 or self.starvation_floor_s < 0:
-            raise ValueError("starvation_multiple must be > 0 and starvation_floor_s >= 0")
-        if self.mean_window < 1:
-            raise ValueError("mean_window must be >= 1")
-        if not (math.isfinite(self.hrrn_service_exponent) and self.hrrn_service_exponent >= 0):
-            raise ValueError("hrrn_service_exponent must be a finite number >= 0")
-
-
 #: HRRN's ratio is (waiting time + this) / service: among requests that waited equally long (a burst arriving at
 #: once) the shortest goes first
 _RATIO_EPS_S = 1e-3
@@ -186,36 +89,6 @@ def _bucket(service_s: float) -> int:
         return 0
     return min(_BUCKETS - 1, int(4 * math.log2(service_s * 2000.0)))
 
-
-@dataclass(slots=True)
-class _Waiting:
-    hint: TierHint
-    gpu_need: int
-    seq: int
-    where: str = ""  # "ready" | "preparing" | "loading"
-    key: tuple = field(default=())  # (arrival, seq): position in the ready list
-    service: float = 0.0  # estimated GPU seconds (ready requests)
-    inv: float = 0.0  # 1 / service: HRRN's ratio grows at this rate
-
-
-class SchedulingPolicy(Protocol):
-    """What the simulator and the vLLM hook need from a scheduling policy."""
-
-    name: str
-
-    def add(self, hint: TierHint, gpu_need: int = 0) -> None: ...
-    def update(self, hint: TierHint, gpu_need: int | None = None) -> None: ...
-    def remove(self, request_id: str) -> bool: ...
-    def next_prefetch(self, now: float) -> str | None: ...
-    def prefetch_done(self, request_id: str, now: float | None = None) -> None: ...
-    def pick(self, now: float, free_gpu: int | None = None) -> str | None: ...
-    def holds(self, request_id: str, now: float) -> bool: ...
-    def order(self, now: float, free_gpu: int | None = None) -> list[str]: ...
-    def dispatched(self, request_id: str, now: float) -> None: ...
-    def hint(self, request_id: str) -> TierHint: ...
-    def ids(self) -> list[str]: ...
-    def __len__(self) -> int: ...
-    def __contains__(self, request_id: object) -> bool: ...
 
 
 class _WaitStats:
@@ -249,9 +122,9 @@ class DualQueuePolicy:
     def __init__(self, config: DualQueueConfig | None = None) -> None:
         self.config = config or DualQueueConfig()
         self.planner = LoadPlanner(self.config.load_plan)
-        self._reqs: dict[str, _Waiting] = {}
-        #: ready entries (arrival, seq, request id, its _Waiting), sorted by (arrival, seq), which are unique
-        self._ready: list[tuple[float, int, str, _Waiting]] = []
+        self._reqs: dict[str, Waiting] = {}
+        #: ready entries (arrival, seq, request id, its Waiting), sorted by (arrival, seq), which are unique
+        self._ready: list[tuple[float, int, str, Waiting]] = []
         self._preparing = DiskHRRNQueue(self.config.hrrn_byte_unit)
         self._loading: set[str] = set()
         self._seq = 0
@@ -331,7 +204,7 @@ class DualQueuePolicy:
         `delay_hit_own_loads` neither is one whose own read is issued. With `idle_replan_counts_arrivals` the gain
         is net of the work expected to arrive while the read is in flight (`arriving_load`).
         Returns that request, now READY, or None."""
-        best: _Waiting | None = None
+        best: Waiting | None = None
         best_gain, best_read = 0.0, 0.0
         rho = self.arriving_load()
         for rid in [e.request_id for e in self._preparing] + list(self._loading):
@@ -392,11 +265,11 @@ class DualQueuePolicy:
         self.stats["deferred_delay_hit"] += 1
         return True
 
-    def _deferred(self, w: _Waiting) -> bool:
+    def _deferred(self, w: Waiting) -> bool:
         return self.config.delay_hit and w.hint.inflight_tokens >= self.config.delay_hit_threshold_tokens
 
     # --- queue moves ---------------------------------------------------------------------------------------------
-    def _detach(self, w: _Waiting) -> None:
+    def _detach(self, w: Waiting) -> None:
         rid = w.hint.request_id
         if w.where == "ready":
             i = bisect.bisect_left(self._ready, w.key + (rid,))
@@ -417,7 +290,7 @@ class DualQueuePolicy:
             self._prep_bytes -= w.hint.ssd_bytes
         w.where = ""
 
-    def _place(self, w: _Waiting) -> None:
+    def _place(self, w: Waiting) -> None:
         rid, state = w.hint.request_id, w.hint.state
         if state.schedulable:
             bisect.insort(self._ready, w.key + (rid, w))  # by original arrival, whatever the promotion time
@@ -443,7 +316,7 @@ class DualQueuePolicy:
             self.update(hint, gpu_need)
             return
         self._seq += 1
-        w = _Waiting(hint=hint, gpu_need=int(gpu_need), seq=self._seq, key=(hint.arrival, self._seq))
+        w = Waiting(hint=hint, gpu_need=int(gpu_need), seq=self._seq, key=(hint.arrival, self._seq))
         self._reqs[hint.request_id] = w
         self._place(w)
 
@@ -460,7 +333,8 @@ class DualQueuePolicy:
         if gpu_need is not None:
             w.gpu_need = int(gpu_need)
         old = w.where
-        new_where = "ready" if hint.state.schedulable else ("loading" if hint.state is TierState.LOADING else "preparing")
+        new_where = ("ready" if hint.state.schedulable
+                     else "loading" if hint.state is TierState.LOADING else "preparing")
         if old == new_where == "preparing":
             self._prep_bytes += hint.ssd_bytes - w.hint.ssd_bytes
             w.hint = hint
@@ -521,7 +395,7 @@ class DualQueuePolicy:
         self.update(hint)
 
     # --- scheduler side ------------------------------------------------------------------------------------------
-    def _starving(self, w: _Waiting, now: float, threshold: float) -> bool:
+    def _starving(self, w: Waiting, now: float, threshold: float) -> bool:
         cap = self.config.gpu_capacity
         return now - w.hint.arrival > threshold and (cap is None or w.gpu_need <= cap)
 
@@ -639,111 +513,6 @@ class DualQueuePolicy:
         self._detach(w)
         self._waits.add(max(0.0, now - w.hint.arrival))
 
-
-class FCFSPolicy:
-    """The baseline: one queue in arrival order, the head blocks until it fits (vLLM's default behaviour).
-
-    `prefetch=False` (scheduler `fcfs`): hints are ignored; SSD data is read when the request runs (the engine stalls
-    the GPU on it, as vLLM + LMCache's synchronous retrieve does). `prefetch=True` (`fcfs+prefetch`): SSD reads are
-    issued eagerly in arrival order, and the head waits for its own read (head-of-line blocking on I/O).
-    """
-
-    def __init__(self, prefetch: bool = False) -> None:
-        self.prefetch = prefetch
-        self.name = "fcfs+prefetch" if prefetch else "fcfs"
-        self._reqs: dict[str, _Waiting] = {}
-        self._queue: list[tuple[float, int, str]] = []  # sorted by (arrival, seq)
-        self._to_read: deque[str] = deque()
-        self._seq = 0
-        self.stats: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        return len(self._reqs)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._reqs
-
-    def add(self, hint: TierHint, gpu_need: int = 0) -> None:
-        if hint.request_id in self._reqs:
-            self.update(hint, gpu_need)
-            return
-        self._seq += 1
-        w = _Waiting(hint=hint, gpu_need=int(gpu_need), seq=self._seq, key=(hint.arrival, self._seq))
-        self._reqs[hint.request_id] = w
-        bisect.insort(self._queue, w.key + (hint.request_id,))
-        if self.prefetch and hint.state.waits_for_prefetch:
-            self._to_read.append(hint.request_id)
-
-    def update(self, hint: TierHint, gpu_need: int | None = None) -> None:
-        w = self._reqs.get(hint.request_id)
-        if w is None:
-            self.add(hint, gpu_need or 0)
-            return
-        if (hint is w.hint or hint == w.hint) and (gpu_need is None or gpu_need == w.gpu_need):
-            return
-        was_preparing = w.hint.state.waits_for_prefetch
-        w.hint = replace(hint, arrival=w.hint.arrival)
-        if gpu_need is not None:
-            w.gpu_need = int(gpu_need)
-        if self.prefetch and hint.state.waits_for_prefetch and not was_preparing:
-            self._to_read.append(hint.request_id)
-
-    def hint(self, request_id: str) -> TierHint:
-        return self._reqs[request_id].hint
-
-    def ids(self) -> list[str]:
-        return list(self._reqs)
-
-    def remove(self, request_id: str) -> bool:
-        w = self._reqs.pop(request_id, None)
-        if w is None:
-            return False
-        i = bisect.bisect_left(self._queue, w.key + (request_id,))
-        if i < len(self._queue) and self._queue[i][2] == request_id:
-            del self._queue[i]
-        return True
-
-    def next_prefetch(self, now: float) -> str | None:
-        while self.prefetch and self._to_read:
-            rid = self._to_read.popleft()
-            w = self._reqs.get(rid)
-            if w is not None and w.hint.state.waits_for_prefetch:
-                w.hint = w.hint.with_state(TierState.LOADING)
-                return rid
-        return None
-
-    def prefetch_done(self, request_id: str, now: float | None = None, hint: TierHint | None = None) -> None:
-        w = self._reqs.get(request_id)
-        if w is None:
-            return
-        h = hint or TierHint(
-            request_id=request_id,
-            gpu_tokens=w.hint.gpu_tokens,
-            host_tokens=w.hint.host_tokens + w.hint.ssd_tokens + w.hint.remote_tokens,
-            state=TierState.READY,
-            arrival=w.hint.arrival,
-            inflight_tokens=w.hint.inflight_tokens,
-        )
-        self.update(h)
-
-    def holds(self, request_id: str, now: float) -> bool:
-        return False  # no delay-hit avoidance in the baseline
-
-    def pick(self, now: float, free_gpu: int | None = None) -> str | None:
-        if not self._queue:
-            return None
-        w = self._reqs[self._queue[0][2]]
-        if free_gpu is not None and w.gpu_need > free_gpu:
-            return None
-        if self.prefetch and not w.hint.state.schedulable:
-            return None
-        return w.hint.request_id
-
-    def order(self, now: float, free_gpu: int | None = None) -> list[str]:
-        return [rid for _, _, rid in self._queue]
-
-    def dispatched(self, request_id: str, now: float) -> None:
-        self.remove(request_id)
 
 
 #: fair baselines: vLLM's order with a synchronous SSD tier, with eager SSD prefetch, and without host/SSD tiers

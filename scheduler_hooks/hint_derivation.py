@@ -22,8 +22,9 @@ Plain Python: no vLLM import.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from kvtier.scheduler_hooks.load_plan import LoadAction, LoadPlanner, PlanContext
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState, classify

@@ -17,8 +17,8 @@ queue (`DualQueuePolicy`) and the connector's SSD prefetcher use this same objec
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ large: a request then prefetches its SSD part, and `recompute_now` recomputes it
 idle while its read has not landed (`DualQueuePolicy.replan_idle`): never slower than no cache at an idle GPU,
 and no GPU time taken from queued requests otherwise. Under load `recompute_now` also charges the work expected to
 arrive during the read (the GPU's busy share times the read's time), which would otherwise use the GPU's idle
-window: recompute iff `fallback_gpu_s + load * read_s < read_s + gpu_s`. That combination queued best on the first 15 minutes of the
-Mooncake conversation trace (`benchmarks/scheduler_sim.py --tune`); weight 0 recomputed ~10% of the SSD hits at
-arrival and queued ~5% longer.
+window: recompute iff `fallback_gpu_s + load * read_s < read_s + gpu_s`. That combination queued best on the first
+15 minutes of the Mooncake conversation trace (`benchmarks/scheduler_sim.py --tune`); weight 0 recomputed ~10% of
+the SSD hits at arrival and queued ~5% longer.
 
 The cost model's numbers (SSD and host bandwidth, prefill cost per token for this model and device) are
 configurable (`LoadPlanConfig`, from the `kvtier.scheduler` keys) and calibrated online where measured:
@@ -44,8 +44,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from kvtier.scheduler_hooks import metrics as M
 
@@ -183,7 +184,7 @@ class LoadPlanConfig:
 
     @classmethod
     def from_keys(cls, keys: Mapping[str, Any], *, kv_bytes_per_token: int | None = None,
-                  prefix: str = "kvtier.scheduler") -> "LoadPlanConfig":
+                  prefix: str = "kvtier.scheduler") -> LoadPlanConfig:
         """Build from the `kvtier.scheduler` dict (only LOAD_PLAN_KEYS are read); errors name the key and the fix.
 
         `kv_bytes_per_token` is the model's KV size (the vLLM hook derives it from the KV cache spec); an explicit

@@ -76,7 +76,7 @@ class TierHint:
     #: the request's prompt length (0: unknown)
     prompt_tokens: int = 0
     #: the load-or-recompute decision, when a planner made one
-    plan: "LoadPlan | None" = None
+    plan: LoadPlan | None = None
     #: tokens (after the local tiers' part) found only in the shared tier
     remote_tokens: int = 0
     #: bytes that must be read from the shared tier to bring `remote_tokens` into host memory

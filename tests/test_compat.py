@@ -256,7 +256,7 @@ def test_connector_from_shipped_config_moves_kv_through_host_and_ssd_tiers(tmp_p
         got = worker.tokens_kv(list(out.scheduled_new_reqs[0].block_ids[0]), 96)
         assert torch.equal(got.view(torch.int32), kv_a.view(torch.int32))
         assert conn.scheduler_side.counters["none_answers"] >= 1
-        assert worker.conn.worker_side.ssd.tier.stats.hits == 3
+        assert worker.conn.worker_side.ssd.stats.hits == 3
         labels = hit_source_labels()
         if labels is not None:  # vLLM >= 0.32 splits external hits by tier
             assert conn.get_external_cache_hit_sources(sched.requests["c"], 96) == {labels.disk: 96}

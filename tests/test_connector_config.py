@@ -91,21 +91,49 @@ def test_connector_start_runs_the_version_guard(monkeypatch):
 
 
 def test_rpc_round_trip_and_timeout():
-    from kvtier.connector.rpc import RPCClient, RPCError, RPCServer, endpoint
+    """Typed on both ends: the handler gets the request struct, the caller the reply struct; a handler that raises,
+    or answers the wrong type (or no reply at all), is an RPCError, as is a rank that does not answer."""
+    from kvtier.connector.messages import LookupResult
+    from kvtier.connector.rpc import (
+        Ack,
+        Lookup,
+        LookupReply,
+        Ping,
+        Release,
+        RPCClient,
+        RPCError,
+        RPCServer,
+        Stats,
+        endpoint,
+    )
+
+    def handler(req):
+        if isinstance(req, Lookup):
+            return LookupReply(LookupResult(host_end=len(req.tokens), hit_end=req.tokens[-1], chunk_size=16))
+        if isinstance(req, Ping):
+            return Ack()  # not a PingReply
+        if isinstance(req, Stats):
+            return {"ssd": {}}  # not a reply at all
+        raise ValueError("nope")
 
     addr = endpoint(f"unit-{uuid.uuid4().hex[:6]}", 0)
-    srv = RPCServer(addr, lambda req: {"echo": req["x"]} if req["op"] == "echo" else {"error": "nope"})
+    srv = RPCServer(addr, handler)
     try:
         cli = RPCClient([addr], timeout_s=2)
-        assert cli.call({"op": "echo", "x": [1, 2]}) == [{"echo": [1, 2]}]
-        with pytest.raises(RPCError, match="nope"):
-            cli.call({"op": "other"})
+        assert cli.call(Lookup(rid="r", tokens=[1, 2, 9])) == [LookupReply(LookupResult(3, 9, chunk_size=16))]
+        with pytest.raises(RPCError, match="rank 0 failed: ValueError: nope"):
+            cli.call(Release(rid="r"))
+        with pytest.raises(RPCError, match="Ack is no answer to Ping"):
+            cli.call(Ping())
+        with pytest.raises(RPCError, match="TypeError"):
+            cli.call(Stats())
+        assert cli.call(Lookup(rid="r", tokens=[5])) == [LookupReply(LookupResult(1, 5, chunk_size=16))]
         cli.close()
     finally:
         srv.close()
     dead = RPCClient([endpoint(f"dead-{uuid.uuid4().hex[:6]}", 0)], timeout_s=0.2)
     with pytest.raises(RPCError, match="no answer"):
-        dead.call({"op": "ping"})
+        dead.call(Ping())
     dead.close()
 
 
@@ -114,30 +142,36 @@ def test_rpc_with_two_ranks_survives_one_rank_failing_or_hanging():
     rank (the caller treats it as a miss), and the next call to both ranks works (no socket left out of step)."""
     import threading
 
-    from kvtier.connector.rpc import RPCClient, RPCError, RPCServer, endpoint
+    from kvtier.connector.rpc import Ack, Ping, PingReply, Release, RPCClient, RPCError, RPCServer, endpoint
 
     eid = f"tp2-{uuid.uuid4().hex[:6]}"
     release = threading.Event()
 
-    def rank1(req):
-        if req["op"] == "fail":
-            raise RuntimeError("rank 1 storage broke")
-        if req["op"] == "hang":
-            release.wait(5)
-        return {"rank": 1}
+    def rank0(req):
+        return Ack() if isinstance(req, Release) else PingReply(rank=0, chunk_size=16)
 
-    servers = [RPCServer(endpoint(eid, 0), lambda req: {"rank": 0}), RPCServer(endpoint(eid, 1), rank1)]
+    def rank1(req):
+        if isinstance(req, Release):
+            if req.rid == "fail":
+                raise RuntimeError("rank 1 storage broke")
+            if req.rid == "hang":
+                release.wait(5)
+            return Ack()
+        return PingReply(rank=1, chunk_size=16)
+
+    servers = [RPCServer(endpoint(eid, 0), rank0), RPCServer(endpoint(eid, 1), rank1)]
     cli = RPCClient([endpoint(eid, 0), endpoint(eid, 1)], timeout_s=1)
+    both = [PingReply(rank=0, chunk_size=16), PingReply(rank=1, chunk_size=16)]
     try:
-        assert cli.call({"op": "lookup"}) == [{"rank": 0}, {"rank": 1}]
+        assert cli.call(Ping()) == both
         for _ in range(3):
             with pytest.raises(RPCError, match="rank 1 failed: RuntimeError: rank 1 storage broke"):
-                cli.call({"op": "fail"})
-            assert cli.call({"op": "lookup"}) == [{"rank": 0}, {"rank": 1}]
+                cli.call(Release(rid="fail"))
+            assert cli.call(Ping()) == both
         with pytest.raises(RPCError, match="no answer from rank 1"):
-            cli.call({"op": "hang"}, timeout_ms=300)
+            cli.call(Release(rid="hang"), timeout_ms=300)
         release.set()
-        assert cli.call({"op": "lookup"}) == [{"rank": 0}, {"rank": 1}]
+        assert cli.call(Ping()) == both
     finally:
         release.set()
         cli.close()

@@ -40,6 +40,7 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:
 
 def test_two_prefetches_of_shared_chunks_read_them_from_ssd_once(tmp_path, monkeypatch):
     from kvtier.connector.messages import KVTierConnectorMetadata, SaveSpec
+    from kvtier.connector.rpc import Poll
 
     vllm_config = vllm_config_from_shipped_json(tmp_path, monkeypatch, async_saves=False, prefetch_concurrency=2)
     backend = platform_backend()
@@ -51,9 +52,9 @@ def test_two_prefetches_of_shared_chunks_read_them_from_ssd_once(tmp_path, monke
         blocks = list(range(1, 1 + 3 * CHUNK // 16))
         worker.write(blocks, 0, len(prompt), seed=4)
         worker.step(KVTierConnectorMetadata(saves=[SaveSpec("a", prompt, blocks, 0, job_id=1, share=False)]))
-        assert ws.ssd.flush(30) and len(ws.ssd.tier) == 3
+        assert ws.ssd.flush(30) and len(ws.ssd) == 3
         ws.host.clear()
-        hits0 = ws.ssd.tier.stats.hits
+        hits0 = ws.ssd.stats.hits
 
         asked: list[list] = []  # the chunks each SSD read asked for
         entered, go = threading.Event(), threading.Event()
@@ -66,9 +67,9 @@ def test_two_prefetches_of_shared_chunks_read_them_from_ssd_once(tmp_path, monke
             return real_read(keys, **kw)
 
         ws.ssd.read = gated_read
-        ws.submit_prefetch("r1", prompt + [7] * 10)
+        ws.storage.submit_prefetch("r1", prompt + [7] * 10)
         _wait(entered.is_set, "the first prefetch's SSD read")
-        ws.submit_prefetch("r2", prompt + [8] * 10)
+        ws.storage.submit_prefetch("r2", prompt + [8] * 10)
         # the second prefetch either asks the SSD for the same chunks (held at the gate too) or waits for the
         # first one's read
         _wait(lambda: len(asked) > 1 or ws.stats.data.get("prefetch_shared_chunks", 0) >= 3,
@@ -77,19 +78,19 @@ def test_two_prefetches_of_shared_chunks_read_them_from_ssd_once(tmp_path, monke
         done: dict = {}
 
         def both_done() -> bool:
-            done.update(ws.handle({"op": "poll", "rids": ["r1", "r2"]})["done"])
+            done.update(ws.handle(Poll(rids=["r1", "r2"])).done)
             return len(done) == 2
 
         _wait(both_done, "both prefetches")
         assert sum(len(k) for k in asked) == 3, f"the SSD was asked for {[len(k) for k in asked]} chunks"
-        assert ws.ssd.tier.stats.hits - hits0 == 3
+        assert ws.ssd.stats.hits - hits0 == 3
         for rid in ("r1", "r2"):
-            assert done[rid]["ok"] and done[rid]["tokens"] == len(prompt), (rid, done[rid])
+            assert done[rid].ok and done[rid].tokens == len(prompt), (rid, done[rid])
         assert host_pin_counts(worker, prompt) == [2, 2, 2]  # each request holds its own pin until its load
         assert ws.stats.data.get("prefetch_shared_chunks", 0) == 3
         ws.release("r1")
         ws.release("r2")
         assert host_pin_counts(worker, prompt) == [0, 0, 0]
-        assert not ws._reading  # nothing left registered as being read
+        assert not ws.storage._reading  # nothing left registered as being read
     finally:
         worker.conn.shutdown()

@@ -16,8 +16,8 @@ engine steps (`debug_save_hold_steps`). Driven through `LLMEngine.step`:
 Checked: holdA's blocks were held (`delayed_frees`), D loaded exactly its 96 tokens from the host tier without a
 load error, and D's loaded KV equals holdA's computed KV bit for bit, chunk by chunk (nothing lost, nothing
 overwritten). Broken on purpose once (`request_finished` never delaying the free): C took holdA's freed blocks,
-the held save stored C's KV, and the bit-exact check failed (all 3 chunks differed). (Model outputs equal to no connector with held
-saves: test_connector_vllm.py's tight run.)
+the held save stored C's KV, and the bit-exact check failed (all 3 chunks differed). (Model outputs equal to no
+connector with held saves: test_connector_vllm.py's tight run.)
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.tests.test_connector_vllm import kv_config, lmcache_yaml  # noqa: E402
 from kvtier.testing.vllm_engine import ENGINE_ENV, tiny_llama  # noqa: E402
+from kvtier.tests.test_connector_vllm import kv_config, lmcache_yaml  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +101,7 @@ def main():
     run([("holdA", P, 2)], snap("A", "holdA", 3))
     run([("other-B", Q, 8), ("other-C", R, 8)])
     # every save has landed (a flush releases nothing held: the hold ended steps ago)
-    assert conn.scheduler_side.client.call({"op": "flush", "timeout": 60})[0]["ok"]
+    assert conn.scheduler_side.flush(60)
     run([("followD", D, 8)], snap("D", "followD", 3))
     out["counters"] = dict(conn.scheduler_side.counters)
     out["admitted"] = [list(x) for x in conn.scheduler_side.admitted]
@@ -127,8 +127,8 @@ def _run(work: Path, name: str, model: Path, ktc: dict) -> dict:
     tiny_llama(model)  # the tests' tiny random Llama (no download)
     args.write_text(json.dumps({"model": str(model), "ktc": ktc,
                                 "out": str(work / f"{name}.out.json")}))
-    p = subprocess.run([sys.executable, str(script), str(args)], cwd=work, env={**os.environ, **ENGINE_ENV}, capture_output=True,
-                       text=True, timeout=400)
+    p = subprocess.run([sys.executable, str(script), str(args)], cwd=work, env={**os.environ, **ENGINE_ENV},
+                       capture_output=True, text=True, timeout=400)
     (work / f"{name}.log").write_text(p.stdout + p.stderr)
     assert p.returncode == 0, f"{name} failed (rc {p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}"
     return json.loads((work / f"{name}.out.json").read_text())

@@ -35,38 +35,46 @@ class FakeStorage:
 
     def __init__(self, polls_needed: int = 8) -> None:
         self.polls_needed = polls_needed
-        self.calls: list[dict] = []
+        self.calls: list = []  # the requests (kvtier.connector.rpc structs), in order
         self.prefetched: dict[str, int] = {}
         self.host_end: dict[int, int] = {}  # first token -> host-resident prefix length (set by a test)
         self.lock = threading.Lock()
 
-    def handle(self, req: dict) -> dict:
+    def handle(self, req):
+        from kvtier.connector.messages import LookupResult, PrefetchResult
+        from kvtier.connector.rpc import Ack, Lookup, LookupReply, Poll, PollReply, Prefetch
+
         with self.lock:
             self.calls.append(req)
-            op = req["op"]
-            if op == "lookup":
-                first = req["tokens"][0]
+            if isinstance(req, Lookup):
+                first = req.tokens[0]
                 if first == 1:
-                    return {"host_end": 64, "hit_end": 64, "ssd_tokens": 0, "ssd_bytes": 0, "chunk_size": CHUNK}
+                    return LookupReply(LookupResult(host_end=64, hit_end=64, chunk_size=CHUNK))
                 if first == 2:
-                    if self.prefetched.get(req["rid"], 0) >= self.polls_needed:
-                        return {"host_end": 64, "hit_end": 64, "ssd_tokens": 0, "ssd_bytes": 0,
-                                "chunk_size": CHUNK}
-                    return {"host_end": 0, "hit_end": 64, "ssd_tokens": 64, "ssd_bytes": 65536, "chunk_size": CHUNK}
+                    if self.prefetched.get(req.rid, 0) >= self.polls_needed:
+                        return LookupReply(LookupResult(host_end=64, hit_end=64, chunk_size=CHUNK))
+                    return LookupReply(LookupResult(host_end=0, hit_end=64, ssd_tokens=64, ssd_bytes=65536,
+                                                    chunk_size=CHUNK))
                 h = self.host_end.get(first, 0)
-                return {"host_end": h, "hit_end": h, "ssd_tokens": 0, "ssd_bytes": 0, "chunk_size": CHUNK}
-            if op == "prefetch":
-                self.prefetched[req["rid"]] = 0
-                return {"ok": True}
-            if op == "poll":
+                return LookupReply(LookupResult(host_end=h, hit_end=h, chunk_size=CHUNK))
+            if isinstance(req, Prefetch):
+                self.prefetched[req.rid] = 0
+                return Ack()
+            if isinstance(req, Poll):
                 done = {}
-                for rid in req["rids"]:
+                for rid in req.rids:
                     if rid in self.prefetched:
                         self.prefetched[rid] += 1
                         if self.prefetched[rid] >= self.polls_needed:
-                            done[rid] = {"ok": True, "tokens": 64, "nbytes": 65536, "seconds": 0.01, "error": ""}
-                return {"done": done}
-            return {"ok": True}
+                            done[rid] = PrefetchResult(ok=True, tokens=64, nbytes=65536, seconds=0.01)
+                return PollReply(done)
+            return Ack()
+
+    def prefetched_rids(self) -> list[str]:
+        """The requests whose prefetch the connector issued, in order."""
+        from kvtier.connector.rpc import Prefetch
+
+        return [c.rid for c in self.calls if isinstance(c, Prefetch)]
 
 
 #: loads inside the step (what most tests below assume); `ASYNC` sends every load off the step
@@ -173,7 +181,7 @@ def test_scheduler_side_hints_prefetch_none_loads_and_feedback(scheduler):
     h = conn.tier_hint("ssd")
     assert h.ssd_tokens == 64 and h.ssd_bytes == 65536 and h.state in (TierState.PREPARING, TierState.LOADING)
     assert conn.tier_hint("miss").state is TierState.MISS
-    assert any(c["op"] == "prefetch" and c["rid"] == "ssd" for c in storage.calls)  # eager, from arrival
+    assert "ssd" in storage.prefetched_rids()  # eager, from arrival
 
     out = sched.schedule()
     md = out.kv_connector_metadata
@@ -399,7 +407,7 @@ def test_load_plan_recomputes_a_slow_ssd_part_instead_of_prefetching_it(request)
     assert hint.plan is not None and hint.plan.ssd.value == "recompute", hint
     out = sched.schedule()
     assert out.num_scheduled_tokens.get("ssd") == 80 and not out.kv_connector_metadata.loads
-    assert not [c for c in storage.calls if c["op"] == "prefetch"]
+    assert not storage.prefetched_rids()
     assert conn.scheduler_side.counters["plan_recompute_ssd"] >= 1 and recomputed() > before
 
 
@@ -411,7 +419,7 @@ def test_idle_gpu_replans_a_waiting_ssd_read_and_prefetches_calibrate_the_plan(r
     conn = sched.connector
     sched.add_request(make_request("ssd", 2))
     assert conn.tier_hint("ssd").plan.ssd.value == "prefetch"
-    assert [c["rid"] for c in storage.calls if c["op"] == "prefetch"] == ["ssd"]
+    assert storage.prefetched_rids() == ["ssd"]
     out = sched.schedule()  # the read is in flight: nothing admissible, the GPU would idle -> re-plan
     assert not out.num_scheduled_tokens
     assert conn.scheduler_side.counters["idle_replans"] == 1
@@ -426,7 +434,7 @@ def test_delay_hit_own_loads_waits_for_the_issued_read_at_an_idle_gpu(request):
                                      polls_needed=10**9)
     conn = sched.connector
     sched.add_request(make_request("ssd", 2))
-    assert [c["rid"] for c in storage.calls if c["op"] == "prefetch"] == ["ssd"]
+    assert storage.prefetched_rids() == ["ssd"]
     for _ in range(3):
         assert not sched.schedule().num_scheduled_tokens
     assert conn.scheduler_side.counters["idle_replans"] == 0
