@@ -123,6 +123,10 @@ class PlanContext:
     ssd_read_share: float = 1.0
 
 
+#: the default context: nothing known about the engine (no GPU wait, no SSD backlog)
+IDLE_ENGINE = PlanContext()
+
+
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
     """The decision for one request: an action per tier, the prefix it will use, and the estimates behind it."""
@@ -279,7 +283,7 @@ class LoadPlanner:
                                                                                  use_tokens)
 
     def plan(self, *, prompt_tokens: int, gpu_tokens: int, host_end: int, hit_end: int, ssd_tokens: int,
-             ssd_bytes: int, context: PlanContext = PlanContext(), ssd_committed: bool = False) -> LoadPlan:
+             ssd_bytes: int, context: PlanContext = IDLE_ENGINE, ssd_committed: bool = False) -> LoadPlan:
         """The plan for one request. Token counts as in `kvtier.connector.messages.LookupResult`; `gpu_tokens` is
         vLLM's own hit. `ssd_committed`: its SSD read is already issued or done, so the plan keeps it
         (`context.ssd_wait_s` is then the read's remaining time)."""

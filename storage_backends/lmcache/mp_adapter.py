@@ -7,8 +7,8 @@ Loaded by LMCache 0.5.6's `plugin` adapter type:
         "adapter_params": {"ssd_path": "/var/cache/kvtier", "ssd_capacity_gb": 100}}'
 
 `adapter_params` are kvtier's own keys without the `kvtier.` prefix (docs/configuration.md, "adapter_params"),
-validated strictly by `KVTierL2AdapterConfig.from_dict` (LMCache finds it by the `<class_name>Config` convention): an unknown or wrong
-key stops the server at start with a message naming `adapter_params.<key>`.
+validated strictly by `KVTierL2AdapterConfig.from_dict` (LMCache finds it by the `<class_name>Config`
+convention): an unknown or wrong key stops the server at start with a message naming `adapter_params.<key>`.
 
 A thin layer over `SSDTier` (slot files, CRCs, journal, restart recovery, capacity bound and eviction policy,
 O_DIRECT/kvikio, back-pressure). What it adds is LMCache's contract (`L2AdapterInterface`):
