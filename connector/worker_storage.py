@@ -95,10 +95,9 @@ class SSDTierHandle:
         return self._plugin.flush(timeout)
 
     def policy_stats(self) -> dict[str, Any]:
-        """The eviction policy's name and counters (only some policies count anything: `stats()`)."""
+        """The eviction policy's name and counters (`EvictionPolicy.stats`: empty for most policies)."""
         policy = self._tier.policy
-        counters = getattr(policy, "stats", None)  # not part of EvictionPolicy's interface
-        return {"name": policy.name, **(counters() if callable(counters) else {})}
+        return {"name": policy.name, **policy.stats()}
 
 
 class WorkerStorage:

@@ -108,7 +108,7 @@ class Simulator(TierModel, GpuModel):
         if config.policy_cost_from_profile:
             pcfg = replace(pcfg, load_plan=replace(pcfg.load_plan, cost=self.cost.load_cost_model()))
         self.policy: SchedulingPolicy = make_scheduling_policy(config.scheduler, pcfg)
-        self.planner = getattr(self.policy, "planner", None)
+        self.planner = self.policy.planner
         base, *mods = config.scheduler.split("+")
         #: host and SSD tiers exist (not for `recompute`)
         self.tiers = config.scheduler != "recompute"
@@ -423,7 +423,7 @@ class Simulator(TierModel, GpuModel):
         span = max(self.last_event - first_arrival, 1e-9)
         ids = list(self.queue)
         by_id = {r.rid: r for r in self.requests}
-        stats = dict(getattr(self.policy, "stats", {}))
+        stats = dict(self.policy.stats)
         if self.planner is not None and self.tiers:
             stats.update(self.planner.stats)
         stats["prefetch_giveups"] = self.prefetch_giveups

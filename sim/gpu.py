@@ -29,10 +29,10 @@ class GpuModel:
         t0 = time.perf_counter()
         idle = not self.jobs and self.planner is not None and self.tiers
         if idle:  # nothing runs: the busy total is exact now (a job's busy time is booked when it starts computing)
-            self.policy.observe_gpu_busy(self.now, self.gpu_busy_s)  # type: ignore[attr-defined]
+            self.policy.observe_gpu_busy(self.now, self.gpu_busy_s)
         rid = self.policy.pick(self.now, free)
         if rid is None and idle:
-            rid = self.policy.replan_idle(self._read_s, free)  # type: ignore[attr-defined]
+            rid = self.policy.replan_idle(self._read_s, free)
             if rid is not None:
                 self.phase[rid] = PrefetchPhase.NONE  # its prefetch is dropped: it recomputes the SSD part
         self._decision_s += time.perf_counter() - t0

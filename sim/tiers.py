@@ -89,9 +89,9 @@ class TierModel:
         pol = self.policy
         running = self._running_s()
         share = self.dev.current_read_share()
-        ssd_ahead = self.dev.read_backlog + pol.ssd_backlog_bytes(rid)  # type: ignore[attr-defined]
-        estimate = pol.gpu_wait_estimate  # type: ignore[attr-defined]
-        return PlanContext(gpu_wait_s=running + pol.gpu_backlog_s(rid),  # type: ignore[attr-defined]
+        ssd_ahead = self.dev.read_backlog + pol.ssd_backlog_bytes(rid)
+        estimate = pol.gpu_wait_estimate
+        return PlanContext(gpu_wait_s=running + pol.gpu_backlog_s(rid),
                            gpu_wait_fn=lambda service: running + estimate(service, rid),
                            ssd_wait_s=ssd_ahead / (self.cost.ssd_read_bytes_per_s * share), ssd_read_share=share)
 

@@ -68,6 +68,10 @@ class EvictionPolicy(abc.ABC):
         """Optional: the tier tells its capacity (bytes, or blocks in replays)."""
         self.capacity = int(capacity)
 
+    def stats(self) -> dict[str, int]:
+        """The policy's own counters (shown in the connector's stats); none by default."""
+        return {}
+
     # Session signals: default no-ops.
     def on_request(self, chain: Sequence[Key], now: float | None = None) -> None:  # noqa: B027
         pass
