@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Break each SSD-tier guarantee on purpose, one at a time, and check that a test fails (a test that cannot fail
 proves nothing). Each mutation replaces one exact snippet of a source file, runs the named tests in the clone's
-.venv, prints CAUGHT or MISSED, and restores the file. Usage: scripts/mutation-check.py [NAME-SUBSTRING ...]"""
+.venv, prints CAUGHT or MISSED (STALE when its snippet no longer matches: a failure too), and restores the file.
+Usage: scripts/mutation-check.py [NAME-SUBSTRING ...]"""
 import os
 import shutil
 import subprocess
@@ -145,13 +146,16 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         (
             '        finally:\n'
             '            self.index.end_read([key], [e], [verdict], [e is not None and verdict is None])\n'
+            '            self._reading(-1)\n'
             '        return e is not None and verdict is None'
         ),
         (
             '        except Exception:\n'
+            '            self._reading(-1)\n'
             '            raise\n'
-            '        if verdict is None: self.index.end_read([key], [e], [verdict], [e is not None and verdict is'
-            ' None])\n'
+            '        if verdict is None:\n'
+            '            self.index.end_read([key], [e], [verdict], [e is not None and verdict is None])\n'
+            '        self._reading(-1)\n'
             '        return e is not None and verdict is None'
         ),
         'tests/test_ssd_faults.py',
@@ -233,7 +237,9 @@ for name, f, old, new, tests in MUTS:
     p = os.path.join(ROOT, f)
     src = open(p).read()
     if src.count(old) != 1:
-        print(f"[SKIP] {name}: pattern found {src.count(old)} times")
+        print(f"[STALE] {name}: pattern found {src.count(old)} times (update the snippet: a check that no longer "
+              "applies proves nothing)")
+        missed += 1
         continue
     backup = os.path.join(tempfile.gettempdir(), "kvtier-mutation-backup")
     shutil.copy(p, backup)
