@@ -10,8 +10,8 @@ page per layer (Strata's GPU-assisted I/O).
 * :mod:`.torch_ops`: vectorized torch path (CPU KV caches) and reference.
 * :mod:`.triton_ops`: the one-launch Triton kernel (GPU; pinned host memory through UVA). Imported lazily,
   so this package imports with torch alone and ``TRITON_INTERPRET`` can still be set before triton loads.
-* :mod:`.lmcache_connector`: LMCache ``GPUConnectorInterface`` storing chunks page-first (imports lmcache;
-  not imported here).
+
+The LMCache GPU connectors that use these kernels live in :mod:`kvtier.storage_backends.lmcache`.
 """
 
 from .dispatch import HostChunk, PageMover, gather_pages, scatter_pages

@@ -1,10 +1,15 @@
-"""kvtier's storage side: the SSD tier, its LMCache adapters, configuration and eviction policies.
+"""kvtier's storage side, one subpackage per subsystem:
+- `ssd/`: the SSD tier (`SSDTier`, composed of `SlotIndex`, no I/O, and `SlotIO`);
+- `lmcache/`: kvtier inside LMCache (the storage plugin, the multiprocess-mode L2 adapter, host-tier policies, the
+  page-first GPU connectors);
+- `shared/`: the tier several engines share through LMCache's remote backend;
+- `eviction/`: the eviction policies every tier, the replay and the simulator run;
+and, here, the `kvtier.*` settings (`config`) and the storage metrics (`metrics`).
 
-Public classes, imported lazily (the policies and the replay tools work without LMCache installed):
-- `SSDTier` (`ssd_tier`): the SSD tier, composed of `SlotIndex` (`ssd_index`, no I/O) and `SlotIO` (`ssd_io`);
-- `ChunkMeta`: what the tier records about a chunk besides its bytes;
-- `KVTierBackend` (`lmcache_backend`): the in-process LMCache storage plugin named in
-  `storage_plugin.kvtier.class_name`.
+The module paths users name in configs are re-exported here, imported lazily (the policies and the replay tools work
+without LMCache installed): `KVTierBackend` (`storage_plugin.kvtier.module_path: kvtier.storage_backends`),
+`SSDTier`, `ChunkMeta` and `SlotIndex`; `lmcache_mp_adapter` re-exports the L2 adapter LMCache's `--l2-adapter`
+JSON names.
 """
 
 __all__ = ["ChunkMeta", "KVTierBackend", "SSDTier", "SlotIndex"]
