@@ -109,11 +109,11 @@ def check_l2_adapter(path: str) -> str:
         parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(spec)]))
     except (ValueError, KeyError, ImportError) as e:
         raise ConfigError(f"{path}: LMCache rejects this --l2-adapter spec: {e}") from None
-    kvtier_keys = {"module_path", "class_name", "adapter_params"} & spec.keys()
-    if spec.get("type") != "plugin" and kvtier_keys:
-        raise ConfigError(f"{path}: \"type\" must be \"plugin\" for kvtier's adapter (it has "
-                          f"{', '.join(sorted(kvtier_keys))}), got {spec.get('type')!r}")
     if spec.get("type") != "plugin":  # one of LMCache's own adapters, stacked after kvtier's (e.g. `resp`: Redis)
+        kvtier_keys = {"module_path", "class_name", "adapter_params"} & spec.keys()
+        if kvtier_keys:
+            raise ConfigError(f"{path}: \"type\" must be \"plugin\" for kvtier's adapter (it has "
+                              f"{', '.join(sorted(kvtier_keys))}), got {spec.get('type')!r}")
         return (f"OK: {path}: LMCache's own L2 adapter {spec.get('type')!r}, accepted by LMCache's parser; kvtier "
                 f"does not run it: list it after kvtier's adapter (a second --l2-adapter)")
     if spec.get("module_path") != ADAPTER_MODULE:
@@ -124,22 +124,12 @@ def check_l2_adapter(path: str) -> str:
 
     kv = parse_adapter_params(spec.get("adapter_params"))
     from kvtier.storage_backends.lmcache.mp_adapter import SUBDIR
-    from kvtier.storage_backends.lmcache.mp_config import adapter_key_names as _adapter_key_names
-    from kvtier.storage_backends.ssd.directory import prepare_directory
-    from kvtier.storage_backends.ssd.posix_io import probe_o_direct
+    from kvtier.storage_backends.lmcache.mp_config import check_o_direct, prepare_directories
 
     directory = os.path.join(kv.ssd_path, SUBDIR)
-    try:
-        prepare_directory(kv.ssd_path)
-        prepare_directory(directory)
-    except ConfigError as e:
-        raise ConfigError(_adapter_key_names(str(e))) from None
+    prepare_directories(kv.ssd_path, directory)
     if kv.o_direct:
-        try:
-            probe_o_direct(directory)
-        except OSError as e:
-            raise ConfigError(f"adapter_params.o_direct: the file system of {directory} refuses O_DIRECT "
-                              f"({e.strerror}); put ssd_path on a real disk, or set \"o_direct\": false") from None
+        check_o_direct(directory)
     note = ""
     if spec.get("eviction") is not None:
         note = ("; note: the \"eviction\" block makes LMCache delete chunks too (by its own policy, at its "

@@ -63,22 +63,39 @@ def show_logs() -> None:
         ours.setLevel(logging.INFO)
 
 
-def claim_directory(ssd_path: str, directory: str, o_direct: bool) -> int:
-    """Create, check and lock the adapter's directory now, so a bad or unsafe path or a second server on the same
-    path fails at start (the tier itself opens later, with the first chunk size)."""
+def prepare_directories(ssd_path: str, directory: str) -> None:
+    """Create and check `ssd_path` and the adapter's directory under it; errors name `adapter_params.<key>`."""
     try:
         prepare_directory(ssd_path)
         prepare_directory(directory)
+    except ConfigError as e:
+        raise ConfigError(adapter_key_names(str(e))) from None
+
+
+def check_o_direct(directory: str) -> None:
+    """ConfigError (naming `adapter_params.o_direct`) unless the directory's file system takes O_DIRECT."""
+    from kvtier.storage_backends.ssd.posix_io import probe_o_direct
+
+    try:
+        probe_o_direct(directory)
+    except OSError as e:
+        raise ConfigError(f"adapter_params.o_direct: the file system of {directory} refuses O_DIRECT "
+                          f"({e.strerror}); put ssd_path on a real disk, or set \"o_direct\": false") from None
+
+
+def claim_directory(ssd_path: str, directory: str, o_direct: bool) -> int:
+    """Create, check and lock the adapter's directory now, so a bad or unsafe path or a second server on the same
+    path fails at start (the tier itself opens later, with the first chunk size). `kvtier check-config` runs the same
+    checks without the lock."""
+    prepare_directories(ssd_path, directory)
+    try:
         fd = lock_directory(directory, "adapter.lock")
     except (ConfigError, DirectoryInUse) as e:
         raise ConfigError(adapter_key_names(str(e))) from None
     if o_direct:
-        from kvtier.storage_backends.ssd.posix_io import probe_o_direct
-
         try:
-            probe_o_direct(directory)
-        except OSError as e:
+            check_o_direct(directory)
+        except ConfigError:
             os.close(fd)
-            raise ConfigError(f"adapter_params.o_direct: the file system of {directory} refuses O_DIRECT "
-                              f"({e.strerror}); put ssd_path on a real disk, or set \"o_direct\": false") from None
+            raise
     return fd
