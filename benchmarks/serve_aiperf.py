@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import signal
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.cli.demo_vllm_report import quantile
 from kvtier.demo_data import path as data_path
 from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, build
 from kvtier.testing.serve_process import ServeProcess, free_port
@@ -173,8 +173,8 @@ def summarize(records: list[dict[str, Any]], follow: list[bool]) -> dict[str, fl
                              "out_tok_per_s": out_tokens / wall if wall else float("nan")}
     for k, xs in ttft.items():
         out[f"ttft_{k}_mean"] = statistics.mean(xs) if xs else float("nan")
-        out[f"ttft_{k}_p50"] = _pct(xs, 0.5)
-        out[f"ttft_{k}_p99"] = _pct(xs, 0.99)
+        out[f"ttft_{k}_p50"] = quantile(xs, 0.5)
+        out[f"ttft_{k}_p99"] = quantile(xs, 0.99)
         out[f"n_{k}"] = len(xs)
     return out
 
@@ -191,15 +191,6 @@ def engine_steps(before: dict[tuple[str, tuple], float], after: dict[tuple[str, 
     return {"steps": delta(steps, (("kind", "all"),)), "idle_steps": delta(steps, (("kind", "idle"),)),
             "steps_during_async_loads": during, "async_loads": loads,
             "steps_per_async_load": during / loads if loads else float("nan")}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 # --------------------------------------------------------------------------------------------- main

@@ -18,7 +18,8 @@ LMCACHE_CPU_NOTE = (
     "column is absent on CPU.")
 
 
-def _pct(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
+    """The `q` quantile (0-1) of `xs`, interpolated between closest ranks; NaN when empty."""
     if not xs:
         return float("nan")
     s = sorted(xs)
@@ -54,7 +55,7 @@ class FollowUps:
     def of(cls, base: RunResult, kvt: RunResult) -> FollowUps:
         b, k = base.ttft(2), kvt.ttft(2)
         worst = max((r for r in kvt.requests if r["turn"] >= 2), key=lambda r: r["ttft"])
-        return cls(statistics.mean(b) / statistics.mean(k), _pct(b, 0.5) / _pct(k, 0.5), max(b), max(k),
+        return cls(statistics.mean(b) / statistics.mean(k), quantile(b, 0.5) / quantile(k, 0.5), max(b), max(k),
                    (worst["conv"], worst["turn"]))
 
 
@@ -109,7 +110,8 @@ def report_lmcache_mp(base: RunResult, kvt: RunResult, mp: RunResult, turns: lis
     later_k, later_m = kvt.ttft(2), mp.ttft(2)
     if later_k and later_m:
         print(f"TTFT of follow-up turns: kvtier {_faster(statistics.mean(later_m), statistics.mean(later_k))} "
-              f"than LMCache MP (fs) on average ({_faster(_pct(later_m, 0.5), _pct(later_k, 0.5))} at the median)")
+              f"than LMCache MP (fs) on average ({_faster(quantile(later_m, 0.5), quantile(later_k, 0.5))} at the "
+              "median)")
     diff = [k for k in b_by if b_by[k]["tokens"] != m_by[k]["tokens"]]
     if diff:
         print(f"LMCache MP generated tokens: DIFFERENT from the run without a connector in {len(diff)} of "
@@ -166,8 +168,8 @@ def _print_summary(base: RunResult, kvt: RunResult, turns: list[Turn], b_by: dic
         rows.append({
             "name": r.name, "prompt": prompt, "gpu": r.hits("gpu_hit"), "host": r.hits("host_hit"),
             "ssd": r.hits("ssd_hit"), "hit": hit, "computed": prompt - hit,
-            "mean2": statistics.mean(later) if later else float("nan"), "p50_2": _pct(later, 0.5),
-            "p90_2": _pct(later, 0.9), "mean1": statistics.mean(r.ttft(1, 1)), "wall": r.wall_s,
+            "mean2": statistics.mean(later) if later else float("nan"), "p50_2": quantile(later, 0.5),
+            "p90_2": quantile(later, 0.9), "mean1": statistics.mean(r.ttft(1, 1)), "wall": r.wall_s,
             "start": r.start_s})
     print("\nsummary (TTFT of turns >= 2 in ms; wall = the replay, engine start excluded)")
     head = (f"{'run':<20}{'prompt tok':>11}{'GPU hits':>9}{'host hits':>10}{'SSD hits':>9}{'prefilled':>10}"
