@@ -9,7 +9,8 @@ LMCache only logs a storage plugin's constructor error and runs without it, so a
 tier. This command parses the file with LMCache's own loader, validates every `kvtier.*` key (or every
 `adapter_params` key), checks that the plugin entries point at kvtier, runs the version guard
 (`kvtier.compat.guard`), and opens the SSD directory (creating it 0700; for the L2 adapter also an O_DIRECT
-probe) to prove it is usable.
+probe) to prove it is usable. It warns (and still passes) when the capacity is more than the SSD path's file system
+has free: the tier then stays within what is free, keeping room for its journal.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import argparse
 import os
 import sys
 
-from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
+from kvtier.storage_backends.config import ConfigError, KVTierConfig, parse_kvtier_config
+from kvtier.storage_backends.ssd.posix_io import free_bytes
+
+GIB = 1 << 30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,7 +81,39 @@ def check(path: str) -> str:
     return (f"OK: {path}: plugin {names[0]!r} -> KVTierBackend, SSD tier at {kv.ssd_path} "
             f"({kv.ssd_capacity_gb:g} GiB, {kv.io_threads} I/O threads, io_engine={kv.io_engine}, "
             f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB, chunk_size {cfg.chunk_size}"
-            f"{shared}, LMCache {versions.installed.lmcache} ({versions.verdict.value})")
+            f"{shared}, LMCache {versions.installed.lmcache} ({versions.verdict.value}){capacity_note(kv)}")
+
+
+def capacity_note(kv: KVTierConfig, key: str = "kvtier.ssd_capacity_gb") -> str:
+    """A warning (starting "; warning:") when the capacity is more than the SSD path's file system has free, counting
+    the slot files and journals kvtier already keeps there as the tier's; "" otherwise."""
+    where = os.path.abspath(kv.ssd_path)
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)  # not created yet (a vLLM JSON is checked without creating it)
+    try:
+        free = free_bytes(where)
+    except OSError:
+        return ""
+    own = 0
+    if os.path.isdir(kv.ssd_path):
+        for root, _dirs, files in os.walk(kv.ssd_path):  # never follows links
+            for name in files:
+                if (name.startswith("slots-") and name.endswith(".dat")) or name.startswith("journal-"):
+                    try:
+                        own += os.lstat(os.path.join(root, name)).st_blocks * 512
+                    except OSError:
+                        pass
+    room = free + own
+    if kv.capacity_bytes <= room:
+        return ""
+    kept = f" (counting the {_size(own)} kvtier's files already hold there)" if own else ""
+    return (f"; warning: {key}={kv.ssd_capacity_gb:g} GiB is more than the {_size(room)} free on the file system "
+            f"of {kv.ssd_path}{kept}: the SSD tier will stay within what is free, keeping room for its journal, and "
+            "evict within it")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 ADAPTER_MODULE = "kvtier.storage_backends.lmcache_mp_adapter"
@@ -128,11 +164,12 @@ def check_l2_adapter(path: str) -> str:
 
     directory = os.path.join(kv.ssd_path, SUBDIR)
     prepare_directories(kv.ssd_path, directory)
-    if kv.o_direct:
-        check_o_direct(directory)
-    note = ""
+    note = capacity_note(kv, "adapter_params.ssd_capacity_gb")
+    untold = check_o_direct(directory) if kv.o_direct else None
+    if untold is not None:
+        note += f"; warning: {untold}"
     if spec.get("eviction") is not None:
-        note = ("; note: the \"eviction\" block makes LMCache delete chunks too (by its own policy, at its "
+        note += ("; note: the \"eviction\" block makes LMCache delete chunks too (by its own policy, at its "
                 "watermark), beside kvtier's own eviction")
     return (f"OK: {path}: LMCache L2 adapter {ADAPTER_CLASS}, SSD tier at {directory} ({kv.ssd_capacity_gb:g} GiB, "
             f"{kv.io_threads} I/O threads, io_engine={kv.io_engine}, o_direct={kv.o_direct}, "
@@ -165,9 +202,9 @@ def check_vllm_json(path: str, block_size: int = 16) -> str:
     except guard.UnsupportedVersion as e:
         raise ConfigError(str(e)) from None
     policy = spec.get("kv_load_failure_policy")
-    note = "" if policy == "recompute" else (
+    note = capacity_note(cfg.kvtier) + ("" if policy == "recompute" else (
         f"; note: kv_load_failure_policy is {policy or 'unset (vLLM default: fail)'}: a KV block that fails to load "
-        "(a corrupt or vanished SSD chunk) then fails its request instead of being recomputed; set \"recompute\"")
+        "(a corrupt or vanished SSD chunk) then fails its request instead of being recomputed; set \"recompute\""))
     return (f"OK: {path}: vLLM connector {CONNECTOR_NAME}, LMCache config {cfg.config_file}, SSD tier at "
             f"{cfg.kvtier.ssd_path} ({cfg.kvtier.ssd_capacity_gb:g} GiB), chunk_size {cfg.chunk_size}, "
             f"vLLM {versions.installed.vllm}, LMCache {versions.installed.lmcache} ({versions.verdict.value}){note}")

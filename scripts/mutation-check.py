@@ -227,6 +227,78 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         '            return True',
         'tests/test_ssd_concurrency.py',
     ),
+    (
+        'untrusted generation replayed (issue 28, 2)',
+        'storage_backends/ssd/index.py',
+        'if rec.gen >= TRUSTED_GENERATION or (',
+        'if (',
+        'tests/test_ssd_reliability.py::test_record_with_an_exhausting_generation_is_skipped_and_stores_go_on',
+    ),
+    (
+        'key not checked for UTF-8 (issue 28, 3)',
+        'storage_backends/ssd/tier.py',
+        '        key.encode("utf-8")\n    except UnicodeEncodeError as e:\n        return f"invalid key',
+        '        pass\n    except UnicodeEncodeError as e:\n        return f"invalid key',
+        'tests/test_ssd_reliability.py::test_lone_surrogate_key_is_a_counted_drop_not_an_exception',
+    ),
+    (
+        'back-pressure episode never cleared (issue 28, 4)',
+        'storage_backends/ssd/tier.py',
+        'self.io.episodes.cleared("backpressure",',
+        'str(',
+        'tests/test_ssd_reliability.py::test_backpressure_episodes_are_logged_each_time',
+    ),
+    (
+        'pinned-slot drops not logged (issue 28, 4)',
+        'storage_backends/ssd/tier.py',
+        '            self._log_blocked(batch, reservations)\n',
+        '',
+        'tests/test_ssd_reliability.py::test_drops_because_every_slot_is_pinned_are_logged_once_and_cleared',
+    ),
+    (
+        'remove() does not cancel a queued write (issue 28, 5)',
+        'storage_backends/ssd/tier.py',
+        'cancelled = self.queue.cancel(key)',
+        'cancelled = False',
+        'tests/test_ssd_reliability.py::test_remove_cancels_a_queued_write',
+    ),
+    (
+        'cancelled write committed anyway (issue 28, 5)',
+        'storage_backends/ssd/tier.py',
+        '                            if t.cancelled:\n                                continue\n',
+        '',
+        'tests/test_ssd_reliability.py::test_remove_racing_the_writer_never_leaves_a_removed_chunk',
+    ),
+    (
+        'eviction final before the journal append (issue 28, 6)',
+        'storage_backends/ssd/tier.py',
+        '            if not self._journal_victims(reservations):',
+        '            if self.index.settle_victims(reservations, journaled=False):',
+        'tests/test_ssd_reliability.py::test_failed_journal_append_costs_no_committed_chunk',
+    ),
+    (
+        'failed fallocate not cut back (issue 28, 1)',
+        'storage_backends/ssd/slot_files.py',
+        '        except OSError:\n            self._cut(fd, have)\n            raise\n',
+        '        except OSError:\n            raise\n',
+        'tests/test_ssd_disk_full.py',
+    ),
+    (
+        'slot growth takes the journal reserve (issue 28, 1)',
+        'storage_backends/ssd/slot_files.py',
+        '        want = min(want, have + self._room(want - have, pos + 1 - have))\n',
+        '',
+        'tests/test_ssd_disk_full.py',
+    ),
+    (
+        'lock note needs a free block (issue 28, 1)',
+        'storage_backends/ssd/directory.py',
+        '        os.pwrite(fd, note, 0)\n        os.ftruncate(fd, len(note))\n    except OSError as e:\n'
+        '        if e.errno not in (errno.ENOSPC, errno.EDQUOT):',
+        '        os.pwrite(fd, note, 0)\n        os.ftruncate(fd, len(note))\n    except OSError as e:\n'
+        '        if True:',
+        'tests/test_ssd_disk_full.py::test_restart_on_a_disk_another_file_filled',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu")

@@ -20,6 +20,8 @@ from kvtier.storage_backends.ssd.directory import (
     prepare_directory,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class KVTierL2AdapterConfig(L2AdapterConfigBase):
     """`adapter_params` of the plugin spec, parsed strictly into kvtier's `KVTierConfig`."""
@@ -72,15 +74,23 @@ def prepare_directories(ssd_path: str, directory: str) -> None:
         raise ConfigError(adapter_key_names(str(e))) from None
 
 
-def check_o_direct(directory: str) -> None:
-    """ConfigError (naming `adapter_params.o_direct`) unless the directory's file system takes O_DIRECT."""
+def check_o_direct(directory: str) -> str | None:
+    """ConfigError (naming `adapter_params.o_direct`) if the directory's file system refuses O_DIRECT. A full disk
+    is no refusal: the probe then reads a file already there, and when there is none it cannot tell; that is logged
+    and returned (None when O_DIRECT works)."""
     from kvtier.storage_backends.ssd.posix_io import probe_o_direct
 
     try:
-        probe_o_direct(directory)
+        untold = probe_o_direct(directory)
     except OSError as e:
         raise ConfigError(f"adapter_params.o_direct: the file system of {directory} refuses O_DIRECT "
                           f"({e.strerror}); put ssd_path on a real disk, or set \"o_direct\": false") from None
+    if untold is None:
+        return None
+    warning = (f"adapter_params.o_direct: cannot check that the file system of {directory} takes O_DIRECT: "
+               f"{untold}; starting with O_DIRECT as configured")
+    logger.warning("%s", warning)
+    return warning
 
 
 def claim_directory(ssd_path: str, directory: str, o_direct: bool) -> int:

@@ -9,12 +9,16 @@ share one directory.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 import stat
 
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.ssd.posix_io import open_nofollow
+
+logger = logging.getLogger(__name__)
 
 
 class DirectoryInUse(RuntimeError):
@@ -75,8 +79,16 @@ def lock_directory(path: str, name: str = "lock") -> int:
         os.close(fd)
         raise DirectoryInUse(f"kvtier.ssd_path: {path} is in use by another kvtier process ({holder}); give "
                              "each engine its own directory") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    note = f"pid {os.getpid()}".encode()
+    try:  # over the old note, then cut to length: an existing lock file needs no new block on a full disk
+        os.pwrite(fd, note, 0)
+        os.ftruncate(fd, len(note))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            os.close(fd)
+            raise
+        logger.warning("kvtier.ssd_path: the disk of %s is full (%s): the lock is held, without the holder's pid "
+                       "in %s", path, e.strerror, lock)
     return fd
 
 

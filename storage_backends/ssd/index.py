@@ -7,6 +7,9 @@ The same object serves the LMCache plugin, the MP-mode L2 adapter and offline re
 
 Slot life cycle: `reserve()` hands out a slot and a fresh generation (a free slot, a new slot below the budget, or
 one freed by evicting an unpinned, unread chunk); the writer either `commit()`s a chunk into it or `unreserve()`s it.
+An eviction for a reservation stays undoable until the writer journals its FREE record (`victim_frees`,
+`settle_victims`): if that append fails, `restore_victims` puts the evicted chunk back, so a failing journal costs
+only the chunks being stored, never one already committed.
 A committed chunk leaves through `remove()`, eviction, or a failed read (`end_read` with a verdict); its slot is
 freed when its last reader is done, and `on_slot_freed` is told (the tier journals a FREE record). Every operation
 takes the index's lock; drop listeners and `on_slot_freed` run under it and must not block.
@@ -25,7 +28,7 @@ from typing import Any
 
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.eviction import EvictionPolicy
-from kvtier.storage_backends.ssd.slot_format import CommitRecord, FreeRecord, JournalRecord
+from kvtier.storage_backends.ssd.slot_format import TRUSTED_GENERATION, CommitRecord, FreeRecord, JournalRecord
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +72,12 @@ class TierStats:
 
     committed: int = 0
     duplicate_puts: int = 0
+    cancelled_puts: int = 0  #: queued writes cancelled by `remove()` before they committed
     dropped_backpressure: int = 0
     dropped_no_space: int = 0
     dropped_io_error: int = 0
     dropped_too_large: int = 0
+    dropped_invalid: int = 0  #: keys or metadata that cannot be encoded (a lone surrogate in a key...)
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
@@ -93,7 +98,7 @@ class TierStats:
 class ReplayReport:
     chunks: int
     dropped_for_capacity: int
-    dropped_invalid: int  #: records naming a chunk larger than a slot
+    dropped_invalid: int  #: records out of range: a chunk larger than a slot, a generation not trusted
     stale: int  #: COMMIT records older than what their slot or key already held (duplicates, replays)
     max_gen: int
 
@@ -127,6 +132,13 @@ class SlotIndex:
         self._next_slot = 0
         self._gen = 0
         self._drop_listeners: list[Callable[[str, int, str], None]] = []
+        #: chunks evicted by `reserve()` whose slot is reserved but not yet written: slot -> (key, entry). Their
+        #: drop is settled (listeners told) once the writer journaled their FREE records, or undone by
+        #: `restore_victims` when it could not (a failed append costs no committed chunk).
+        self._victims: dict[int, tuple[str, Entry]] = {}
+        #: slots below the highest handed out that the disk had no room for (holes a slot file cut short leaves):
+        #: kept out of use, and in `_reserved` so that every slot stays accounted for, until `restore_limit`
+        self._parked: set[int] = set()
         policy.set_capacity(max_slots)
         from kvtier.storage_backends.eviction import session_signals
 
@@ -136,18 +148,19 @@ class SlotIndex:
     def replay(self, records: Sequence[JournalRecord], *, max_nbytes: int,
                unallocated: Callable[[Iterable[int]], set[int]] = lambda slots: set()) -> ReplayReport:
         """Rebuild the index from journal records (file order = commit order). Records naming a slot beyond the
-        capacity, not allocated on disk (`unallocated` names those among the slots it is given) or a chunk larger
-        than a slot are skipped and counted; per slot and per key the newest generation
-        wins, whatever order the records come in; a FREE record frees only the generation it names."""
+        capacity, not allocated on disk (`unallocated` names those among the slots it is given), a chunk larger
+        than a slot or a generation at or above TRUSTED_GENERATION are skipped and counted (the generation
+        counter resumes from the trusted ones only); per slot and per key the newest generation wins, whatever
+        order the records come in; a FREE record frees only the generation it names."""
         with self.lock:
             entries, owner = self._entries, self._slot_owner
             invalid = stale = 0
             for rec in records:
+                if rec.gen >= TRUSTED_GENERATION or (type(rec) is CommitRecord and rec.nbytes > max_nbytes):
+                    invalid += 1
+                    continue
                 self._gen = max(self._gen, rec.gen)
                 if type(rec) is CommitRecord:
-                    if rec.nbytes > max_nbytes:
-                        invalid += 1
-                        continue
                     old = owner.get(rec.slot)
                     prev = entries.get(rec.key)
                     # Generations only grow: a COMMIT older than what its slot or key already holds is a stale
@@ -346,17 +359,65 @@ class SlotIndex:
             return e is not None and e.readers == 0 and not self._pinned(e, now)
 
         for victim in self.policy.victims(1, evictable):
-            e = self._entries[victim]  # type: ignore[index]
-            self._drop(victim, e, None, evicted=True)  # type: ignore[arg-type]
+            e = self._entries.pop(victim)  # type: ignore[call-overload]
+            self.policy.on_remove(victim)
+            del self._slot_owner[e.slot]
+            e.removed = True
+            self._victims[e.slot] = (victim, e)  # type: ignore[assignment]
             self.stats.evictions += 1
             M.SSD_EVICTIONS.inc()
-            if self._free:
-                return heapq.heappop(self._free)
+            self._publish()
+            return e.slot
         return None
 
-    def unreserve(self, res: Reservation) -> None:
-        """The writer did not commit into `res`: the slot is free again."""
+    def victim_frees(self, reservations: Iterable[Reservation | None]) -> list[FreeRecord]:
+        """FREE records of the chunks evicted to make these reservations (to journal before their slots are
+        overwritten)."""
         with self.lock:
+            return [FreeRecord(r.slot, self._victims[r.slot][1].gen) for r in reservations
+                    if r is not None and r.slot in self._victims]
+
+    def settle_victims(self, reservations: Iterable[Reservation | None], *, journaled: bool = True) -> None:
+        """The evictions behind these reservations are final: drop listeners are told, and (unless their FREE
+        records are `journaled` already) `on_slot_freed`."""
+        with self.lock:
+            for r in reservations:
+                if r is None or r.slot not in self._victims:
+                    continue
+                key, e = self._victims.pop(r.slot)
+                self._tell_listeners(key, e, "evicted")
+                if not journaled:
+                    self.on_slot_freed(FreeRecord(e.slot, e.gen))
+
+    def restore_victims(self, reservations: Iterable[Reservation | None]) -> None:
+        """End these reservations without writing: a chunk evicted for one is put back (its data was never
+        overwritten), unless its key was stored again meanwhile; the others' slots are free again."""
+        with self.lock:
+            for r in reservations:
+                if r is None:
+                    continue
+                victim = self._victims.pop(r.slot, None)
+                if victim is None:
+                    self.unreserve(r)
+                    continue
+                key, e = victim
+                self._reserved.discard(r.slot)
+                if key in self._entries:  # stored again since: this copy is obsolete
+                    self._tell_listeners(key, e, "evicted")
+                    heapq.heappush(self._free, r.slot)
+                    self.on_slot_freed(FreeRecord(e.slot, e.gen))
+                    continue
+                e.removed = False
+                self._entries[key] = e
+                self._slot_owner[e.slot] = key
+                self.policy.on_insert(key, 1)
+                self.stats.evictions -= 1
+            self._publish()
+
+    def unreserve(self, res: Reservation) -> None:
+        """The writer did not commit into `res`: the slot is free again (an eviction behind it stays final)."""
+        with self.lock:
+            self.settle_victims([res], journaled=False)
             self._reserved.discard(res.slot)
             heapq.heappush(self._free, res.slot)
 
@@ -364,6 +425,7 @@ class SlotIndex:
         """Make a chunk written to `res` visible. A key committed twice keeps the newer slot (the older one is
         freed, never leaked)."""
         with self.lock:
+            self.settle_victims([res], journaled=False)
             self._reserved.discard(res.slot)
             old = self._entries.get(key)
             if old is not None:
@@ -378,42 +440,39 @@ class SlotIndex:
             self._publish()
 
     # ------------------------------------------------------------------ the slot budget
-    def is_fresh(self, res: Reservation) -> bool:
-        """Whether `res` is the highest slot ever handed out (the one a full disk may not have room for)."""
-        with self.lock:
-            return res.slot == self._next_slot - 1
-
     def disk_full(self, res: Reservation) -> None:
-        """The disk had no room for the fresh slot `res`: give it back and keep the budget at the slots that
-        exist, evicting within them, until `restore_limit`."""
+        """The disk had no room for slot `res`. The fresh slot (the highest handed out) is given back; any other
+        (a hole below it) is kept out of use, so that the next reservation takes another slot instead of failing
+        on the same one. Either way the budget stays at the slots that exist, evicting within them, until
+        `restore_limit`."""
         with self.lock:
-            self._reserved.discard(res.slot)
             if res.slot == self._next_slot - 1:
+                self._reserved.discard(res.slot)
                 self._next_slot -= 1
                 self.limit = min(self.capacity, res.slot)
-                self.policy.set_capacity(max(1, self.limit))
             else:
-                heapq.heappush(self._free, res.slot)
+                self._parked.add(res.slot)
+                self.limit = min(self.limit, self._next_slot)
+            self.policy.set_capacity(max(1, self.limit - len(self._parked)))
 
     def restore_limit(self) -> None:
-        """Try the configured capacity again (the disk may have room now)."""
+        """Try the configured capacity again (the disk may have room now): parked slots are free again."""
         with self.lock:
+            for slot in self._parked:
+                self._reserved.discard(slot)
+                heapq.heappush(self._free, slot)
+            self._parked.clear()
             self.limit = self.capacity
             self.policy.set_capacity(self.capacity)
 
     # ------------------------------------------------------------------ internals
-    def _drop(self, key: str, e: Entry, reason: str | None, evicted: bool = False) -> None:
+    def _drop(self, key: str, e: Entry, reason: str | None) -> None:
         """Remove an entry; its slot is freed now, or when its last reader finishes."""
         if self._entries.get(key) is e:
             del self._entries[key]
             self.policy.on_remove(key)
-            why = "evicted" if evicted else ("removed" if reason is None else
-                                             ("layout" if reason == "layout" else "corrupt"))
-            for fn in self._drop_listeners:
-                try:
-                    fn(key, e.meta.nbytes, why)
-                except Exception:
-                    logger.exception("SSD tier drop listener failed for %s", key)
+            why = "removed" if reason is None else ("layout" if reason == "layout" else "corrupt")
+            self._tell_listeners(key, e, why)
         e.removed = True
         if reason == "layout":
             self.stats.layout_mismatch += 1
@@ -424,6 +483,13 @@ class SlotIndex:
         if e.readers == 0:
             self._release_slot(e)
         self._publish()
+
+    def _tell_listeners(self, key: str, e: Entry, why: str) -> None:
+        for fn in self._drop_listeners:
+            try:
+                fn(key, e.meta.nbytes, why)
+            except Exception:
+                logger.exception("SSD tier drop listener failed for %s", key)
 
     def _release_slot(self, e: Entry) -> None:
         owner = self._slot_owner.get(e.slot)

@@ -47,6 +47,12 @@ def open_file(path: str, *, o_direct: bool, create: bool = True) -> int:
     return open_nofollow(path, flags)
 
 
+def free_bytes(path: str) -> int:
+    """Bytes free for unprivileged use on `path`'s file system (statvfs: available blocks x fragment size)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def fsync_dir(path: str) -> None:
     """Make a directory's entries (a created or renamed file) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -56,22 +62,64 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def probe_o_direct(directory: str) -> None:
-    """Raise OSError if `directory`'s file system cannot do an aligned O_DIRECT write and read. The probe file is
-    created exclusively (a planted file or link of that name is removed first, never written through)."""
+#: errors that mean "no room" rather than "cannot do this": a probe that meets them cannot tell
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def probe_o_direct(directory: str) -> str | None:
+    """Check that `directory`'s file system takes O_DIRECT: an aligned write and read of a probe file, created
+    exclusively (a planted file or link of that name is removed first, never written through). On a full disk (the
+    probe's creation or write fails with ENOSPC or EDQUOT) an aligned O_DIRECT read of a file already there (a slot
+    file) proves it instead, without needing room. Returns None when O_DIRECT works, or why it could not be told (a
+    full disk and no file of at least ALIGN bytes to read, naming ENOSPC or EDQUOT); raises OSError when the file
+    system refuses O_DIRECT (EINVAL)."""
     probe = os.path.join(directory, ".o_direct_probe")
     try:
         os.unlink(probe)
     except FileNotFoundError:
         pass
-    fd = open_nofollow(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT)
+    try:
+        fd = open_nofollow(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT)
+    except OSError as e:
+        if e.errno not in NO_ROOM:
+            raise
+        return _probe_by_reading(directory, e)
     try:
         buf = aligned_buffer(ALIGN)
         pwrite_full(fd, buf, 0)
         pread_full(fd, buf, 0)
+    except OSError as e:
+        if e.errno not in NO_ROOM:
+            raise
+        return _probe_by_reading(directory, e)
     finally:
         os.close(fd)
         os.unlink(probe)
+    return None
+
+
+def _probe_by_reading(directory: str, full: OSError) -> str | None:
+    """The probe for a full disk: an aligned O_DIRECT read of the first regular file of at least ALIGN bytes in
+    `directory` (slot files first; links are never followed). None when it works; why it could not be told when no
+    such file exists; OSError when the read is refused."""
+    with os.scandir(directory) as it:
+        files = sorted((e.name for e in it if e.is_file(follow_symlinks=False) and not e.name.startswith(".")),
+                       key=lambda n: (not n.endswith(".dat"), n))
+    for name in files:
+        path = os.path.join(directory, name)
+        if os.lstat(path).st_size < ALIGN:
+            continue
+        fd = open_nofollow(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            pread_full(fd, aligned_buffer(ALIGN), 0)
+        except EOFError:
+            continue  # cut short since: try the next one
+        finally:
+            os.close(fd)
+        return None
+    code = errno.errorcode.get(full.errno, str(full.errno))
+    return (f"{full.strerror} ({code}): the disk is full, so the probe could not write, and no file there to read "
+            "with O_DIRECT instead; cannot tell")
 
 
 def pread_full(fd: int, buf: memoryview, offset: int) -> None:

@@ -10,10 +10,19 @@ Prepared slots (`kvtier.prepare_slots`): a background caller may instead grow a 
 than fill unwritten extents, which file systems complete more slowly (ext4 converts each extent as the write ends and
 the fdatasync then commits that). While a range is being zeroed it is not allocated: `ensure` on that file waits
 until the range is done, so a chunk is never written where zeros are still on their way.
+
+Room for the journal: before growing, `statvfs` tells what is free, and the files never grow into the room
+`keep_free(slots)` names (the journal's reserve, `journal.Journal.reserve_bytes`): a step that does not fit shrinks
+to what does, and when not even the slot asked for fits, growing fails with ENOSPC before anything is allocated. A
+grow that fails anyway (fallocate or zeros meeting a full disk) is cut back to the slots in use (ext4 keeps the blocks
+a failed fallocate got), so a file never holds blocks past its allocated slots and its size always matches them; a
+file found longer than its whole slots at start (left so by an older version) is cut back the same way.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import stat
 import threading
@@ -23,7 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.storage_backends.config import ConfigError
-from kvtier.storage_backends.ssd.posix_io import aligned_buffer, fsync_dir, open_file, pwrite_full
+from kvtier.storage_backends.ssd.posix_io import NO_ROOM, aligned_buffer, free_bytes, fsync_dir, open_file, pwrite_full
+
+logger = logging.getLogger(__name__)
 
 #: More slot files than this per slot size would mean an absurd capacity (16 GiB files: 16 EiB); names beyond it
 #: are not kvtier's.
@@ -43,8 +54,11 @@ class Preparation:
 
 class SlotFiles:
     def __init__(self, directory: str, slot_size: int, slots_per_file: int, grow_step_slots: int,
-                 o_direct: bool) -> None:
+                 o_direct: bool, keep_free: Callable[[int], int] | None = None) -> None:
+        """`keep_free(slots)`: bytes the files leave free on their file system once they hold `slots` slots (the
+        journal's reserve; none if not given)."""
         self.directory = directory
+        self.keep_free = keep_free or (lambda slots: 0)
         self.slot_size = slot_size
         self.slots_per_file = slots_per_file
         self.grow_step_slots = max(1, grow_step_slots)
@@ -68,7 +82,12 @@ class SlotFiles:
                 raise ConfigError(f"kvtier.ssd_path: {self.path(idx)} is not a regular file (a symbolic link or "
                                   "something planted?); kvtier never follows links there: remove it")
             fd = self._open(idx)
-            self._extent[idx] = os.fstat(fd).st_size // slot_size
+            size = os.fstat(fd).st_size
+            self._extent[idx] = size // slot_size
+            if size % slot_size:
+                logger.info("slot file %s: cutting %d bytes past its last whole slot (a grow that met a full disk)",
+                            self.path(idx), size % slot_size)
+                self._cut(fd, self._extent[idx])
 
     def _prefix(self) -> str:
         return f"slots-{self.slot_size // 1024}k-"
@@ -142,9 +161,53 @@ class SlotFiles:
         want = min(self.slots_per_file, max(pos + 1, have + self.grow_step_slots))
         if limit is not None:
             want = max(pos + 1, min(want, limit - idx * self.slots_per_file))
+        want = min(want, have + self._room(want - have, pos + 1 - have))
         fd = self._open(idx)
-        os.posix_fallocate(fd, have * self.slot_size, (want - have) * self.slot_size)
+        try:
+            self._fallocate(fd, have, want)
+        except OSError as e:
+            if e.errno not in NO_ROOM or want == pos + 1:
+                raise
+            self._fallocate(fd, have, pos + 1)  # the step did not fit after all: only the slot asked for
+            want = pos + 1
         self._extent[idx] = want
+
+    def _room(self, wanted: int, needed: int) -> int:
+        """How many of `wanted` more slots fit in what is free beside the journal's reserve for the slots there
+        would then be; OSError(ENOSPC) when fewer than `needed` do."""
+        free, base = free_bytes(self.directory), self.allocated_slots()
+        lo, hi = 0, wanted  # the most slots k such that k slots and the reserve for base + k slots fit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mid * self.slot_size + self.keep_free(base + mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < needed:
+            raise OSError(errno.ENOSPC, f"No space left on device for another slot under {self.directory}: "
+                                        f"{free} bytes free, {self.keep_free(base + needed)} of them kept for the "
+                                        "journal")
+        return lo
+
+    def _fallocate(self, fd: int, have: int, want: int) -> None:
+        """Allocate slots [have, want) of the file `fd`; a failure cuts the file back to `have` slots first."""
+        try:
+            os.posix_fallocate(fd, have * self.slot_size, (want - have) * self.slot_size)
+        except OSError:
+            self._cut(fd, have)
+            raise
+
+    def _cut(self, fd: int, slots: int) -> None:
+        """Cut the file back to `slots` whole slots, durably: a failed grow (ext4 keeps the blocks a failed
+        fallocate got) or zeros past the last whole slot hold blocks nothing uses, the journal's room among them.
+        Never raises: the extent is right either way (logged)."""
+        try:
+            if os.fstat(fd).st_size > slots * self.slot_size:
+                os.ftruncate(fd, slots * self.slot_size)
+                os.fsync(fd)
+        except OSError as e:
+            logger.warning("cannot cut slot file %s back to %d slots (%s); the blocks past them stay allocated "
+                           "until the next start", self.fd_paths.get(fd, fd), slots, e)
 
     # ------------------------------------------------------------------ prepared slots
     def begin_preparation(self, limit: int, step_slots: int) -> Preparation | None:
@@ -162,21 +225,30 @@ class SlotFiles:
             return None
 
     def zero_fill(self, job: Preparation, keep_going: Callable[[], bool]) -> int:
-        """Write zeros over the claimed slots in ZERO_PIECE requests while `keep_going()`; returns the end of the
-        whole slots written (job.first when none). Raises OSError (ENOSPC...) after ending the claim."""
+        """Write zeros over the claimed slots in ZERO_PIECE requests while `keep_going()` and while the journal's
+        reserve stays free; returns the end of the whole slots written (job.first when none), the file cut back
+        to them. Raises OSError (ENOSPC...) after ending the claim, the whole slots written kept."""
+        fd: int | None = None
+        off = job.first * self.slot_size
         try:
             if self._zeros is None:
                 self._zeros = aligned_buffer(ZERO_PIECE)  # fresh anonymous memory: zeros
             fd = self._open(job.file_idx)
-            off, stop = job.first * self.slot_size, job.end * self.slot_size
+            stop = job.end * self.slot_size
             while off < stop and keep_going():
                 n = min(ZERO_PIECE, stop - off)
+                with self._grow:
+                    self._room(-(-n // self.slot_size), -(-n // self.slot_size))
                 pwrite_full(fd, self._zeros[:n], off)
                 off += n
-            return off // self.slot_size
         except BaseException:
-            self.end_preparation(job, job.first)
+            if fd is not None:
+                self._cut(fd, off // self.slot_size)
+            self.end_preparation(job, off // self.slot_size)
             raise
+        if off % self.slot_size:
+            self._cut(fd, off // self.slot_size)  # stopped inside a slot
+        return off // self.slot_size
 
     def end_preparation(self, job: Preparation, reached: int) -> None:
         """Slots [job.first, reached) are zeroed and become allocated; the claim ends (waiting growers go on)."""

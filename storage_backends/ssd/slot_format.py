@@ -35,6 +35,10 @@ MAX_SEGMENT_BYTES = 1 << 34
 _SEG_ALIGN = 4096
 #: Generations are counted up from 1 and stay far below msgpack's int64 limit.
 MAX_GENERATION = 1 << 62
+#: A generation read from disk at or above this is not trusted (its record is skipped as damaged): the counter
+#: resumes from the largest trusted generation, so one crafted or damaged record can never bring it near
+#: MAX_GENERATION (2^61 more writes would be needed: centuries at a million writes per second).
+TRUSTED_GENERATION = MAX_GENERATION >> 1
 
 
 # Field ranges, checked by msgspec in C while decoding (a record or header out of range does not decode).

@@ -95,7 +95,9 @@ class SlotIO:
         self.seg = seg
         self.o_direct = o_direct
         self.durable = durable
-        self.files = SlotFiles(directory, slot_size, slots_per_file, grow_step_slots, o_direct)
+        # The slot files never grow into the room the journal needs (its reserve for a tier of that many slots).
+        self.files = SlotFiles(directory, slot_size, slots_per_file, grow_step_slots, o_direct,
+                               keep_free=lambda slots: self.journal.reserve_bytes(slots))
         self.journal = Journal(os.path.join(directory, f"journal-{slot_size // 1024}k.log"))
         self.engine = select_engine(io_engine)
         self._kvikio = KvikioFiles(io_threads) if self.engine == "kvikio" else None
@@ -133,6 +135,13 @@ class SlotIO:
                                    "(verified before use)", e.strerror)
             return
         self.episodes.cleared("journal-free", "SSD journal: freed slots are recorded again")
+
+    def journal_frees(self, records: list[FreeRecord]) -> None:
+        """Journal the slots a batch's reservations took by eviction, before their data is overwritten (no
+        fsync: a crash before the COMMIT leaves a header that no longer matches, a miss). Raises OSError: the
+        evicted chunks are then still intact and go back into the index."""
+        with self._journal_lock:
+            self.journal.append(records, sync=False)
 
     def compact(self, live: list[CommitRecord]) -> None:
         with self._journal_lock:
@@ -174,7 +183,7 @@ class SlotIO:
                 encode_header(SlotHeader(FORMAT_VERSION, it.key, it.gen, m.nbytes, tuple(m.shape), m.dtype, m.fmt,
                                          self.seg, crcs, m.extra), hdr)
             except (ValueError, TypeError) as e:
-                logger.warning("chunk %s: %s; not stored on SSD", it.key, e)
+                self.episodes.occurred("header", logging.WARNING, "SSD chunk %s: %s; not stored on SSD", it.key, e)
                 out[i] = "too_large"
                 continue
             fd, base = self.files.locate(it.slot)
@@ -199,6 +208,7 @@ class SlotIO:
                         out[i] = "io_error"
         if fds and all(out[i] is None for idxs in fds.values() for i in idxs):
             self.episodes.cleared("write", "SSD writes succeed again")
+            self.episodes.cleared("header", "SSD slot headers encode again")
         return out
 
     def _write_failed(self, it: SlotWrite, e: BaseException) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.config import ConfigError, KVTierConfig
 from kvtier.storage_backends.eviction import EvictionPolicy, make_policy
+from kvtier.storage_backends.ssd import journal
 from kvtier.storage_backends.ssd.directory import DirectoryInUse, lock_directory, prepare_directory
 from kvtier.storage_backends.ssd.index import ChunkMeta, Entry, Reservation, SlotIndex, TierStats
 from kvtier.storage_backends.ssd.posix_io import align_up, bytes_view, probe_o_direct
@@ -47,8 +48,9 @@ _BATCH = 16
 _WRITERS = 2
 #: after a full disk lowered the slot budget, how often a store tries to grow the files again
 DISK_FULL_RETRY_S = 10.0
-#: the journal is rewritten once it holds more than 4 records per live chunk plus this many
-COMPACT_SLACK = 10_000
+#: the journal is rewritten once it holds more than COMPACT_PER_CHUNK records per live chunk plus COMPACT_SLACK
+#: (defined by the journal, whose reserved room on disk covers that size)
+COMPACT_PER_CHUNK, COMPACT_SLACK = journal.COMPACT_PER_CHUNK, journal.COMPACT_SLACK
 #: `prepare_slots`: zeroing starts only after the tier saw no read or write for this long
 PREPARE_IDLE_S = 0.2
 #: ... and claims this many bytes of slots at a time (it yields between its 8 MiB requests)
@@ -82,11 +84,15 @@ class SSDTier:
         try:
             if config.o_direct:
                 try:
-                    probe_o_direct(self.directory)
+                    untold = probe_o_direct(self.directory)  # needs no free space: a full disk still starts
                 except OSError as e:
                     raise ConfigError(
                         f"kvtier.o_direct: the file system of {self.directory} refuses O_DIRECT ({e.strerror}); "
                         "put kvtier.ssd_path on a real disk, or set kvtier.o_direct: false") from None
+                if untold is not None:
+                    logger.warning("kvtier.o_direct: cannot check that the file system of %s takes O_DIRECT: %s; "
+                                   "starting with O_DIRECT as configured (chunks are dropped and counted while the "
+                                   "disk is full)", self.directory, untold)
             self.stats = TierStats()
             try:
                 self.io = SlotIO(
@@ -128,6 +134,7 @@ class SSDTier:
                     "%.1f MiB, I/O engine %s", self.directory, len(self.index), self.rebuild_seconds, max_slots,
                     self.slot_size / (1 << 20), self.io_engine)
         self._commit_lock = threading.Lock()  # journal appends + index commits vs. journal compaction
+        self._cancel_lock = threading.Lock()  # remove() vs. a writer committing the same key
         self._reserve_lock = threading.Lock()  # slot reservation and file growth
         self._writers = [threading.Thread(target=self._write_loop, name=f"kvtier-ssd-writer-{i}", daemon=True)
                          for i in range(_WRITERS)]
@@ -150,8 +157,9 @@ class SSDTier:
                                    unallocated=self.io.files.unallocated)
         self.stats.journal_damaged_records += load.damaged_ranges
         if load.damaged_ranges or report.dropped_invalid or report.stale:
-            logger.warning("SSD journal %s: skipped %d damaged byte range(s) (%d bytes), %d record(s) naming chunks "
-                           "larger than a slot and %d stale record(s); the records after them were kept (%d chunks)",
+            logger.warning("SSD journal %s: skipped %d damaged byte range(s) (%d bytes), %d record(s) out of range "
+                           "(a chunk larger than a slot, or a generation beyond 2^61) and %d stale record(s); the "
+                           "records after them were kept (%d chunks)",
                            self.io.journal.path, load.damaged_ranges, load.damaged_bytes, report.dropped_invalid,
                            report.stale, report.chunks)
         if load.tail_cut_bytes:
@@ -184,7 +192,11 @@ class SSDTier:
         return self.queue.is_pending(key)
 
     def remove(self, key: str) -> bool:
-        return self.index.remove(key)
+        """Remove a chunk: the stored copy, and a write of it still queued or in progress (never committed after
+        this returns). True if there was either."""
+        with self._cancel_lock:
+            cancelled = self.queue.cancel(key)
+            return self.index.remove(key) or cancelled
 
     def keys(self) -> list[str]:
         return self.index.keys()
@@ -217,13 +229,11 @@ class SSDTier:
         tasks: list[PutTask | None] = []
         for key, meta, buf, on_done in puts:
             buf = bytes_view(buf)
-            if (meta.nbytes > self.slot_size - HEADER_SIZE or len(buf) < meta.nbytes
-                    or not header_fits(key, tuple(meta.shape), meta.dtype, meta.fmt, meta.nbytes, self.seg,
-                                       meta.extra)):
-                self._count_drop("too_large")
-                self.io.episodes.occurred("too_large", logging.WARNING, "chunk %s (%d bytes, %d-byte key) does not "
-                                          "fit a %d-byte slot and its 4 KiB header; not stored on SSD", key,
-                                          meta.nbytes, len(key.encode()), self.slot_size - HEADER_SIZE)
+            why = _unstorable(key, meta, buf, self.slot_size - HEADER_SIZE, self.seg)
+            if why is not None:
+                self._count_drop("invalid" if why.startswith("invalid") else "too_large")
+                self.io.episodes.occurred("too_large", logging.WARNING, "chunk %r (%d bytes) is not stored on SSD: "
+                                          "%s", key, meta.nbytes, why)
                 tasks.append(None)
                 continue
             tasks.append(PutTask(key, meta, buf, on_done, now))
@@ -233,6 +243,10 @@ class SSDTier:
         for t in tasks:
             verdict = Submitted.CLOSED if t is None else next(verdicts)
             out.append(verdict is Submitted.QUEUED)
+            if verdict is Submitted.QUEUED:
+                self.io.episodes.cleared("backpressure", "SSD writes keep up again (no chunk waited past "
+                                         "kvtier.backpressure_timeout_s)")
+                self.io.episodes.cleared("too_large", "SSD chunks fit their slots again")
             if verdict is Submitted.DUPLICATE:
                 with self.index.lock:
                     self.stats.duplicate_puts += 1
@@ -257,6 +271,8 @@ class SSDTier:
                 self.stats.dropped_backpressure += n
             elif reason == "too_large":
                 self.stats.dropped_too_large += n
+            elif reason == "invalid":
+                self.stats.dropped_invalid += n
             else:
                 self.stats.dropped_io_error += n
         M.SSD_DROPPED.labels(reason).inc(n)
@@ -292,12 +308,20 @@ class SSDTier:
         settled: set[int] = set()  # reservations committed or given back
         try:
             with self._reserve_lock:
-                for _ in batch:
-                    reservations.append(self._reserve())
+                for t in batch:
+                    reservations.append(None if t.cancelled else self._reserve())
+            self._log_blocked(batch, reservations)
+            if not self._journal_victims(reservations):
+                settled.update(range(len(batch)))
+                for t in batch:
+                    if not t.cancelled:
+                        self._count_drop("io_error")
+                return [False] * len(batch)
             writes = [SlotWrite(t.key, r.slot, r.gen, t.meta, t.buf[:t.meta.nbytes])
                       for t, r in zip(batch, reservations) if r is not None]
             verdicts = iter(self.io.write(writes))
-            reasons = [("no_space" if r is None else next(verdicts)) for r in reservations]
+            reasons = [("cancelled" if t.cancelled else "no_space") if r is None else next(verdicts)
+                       for t, r in zip(batch, reservations)]
             commits = [CommitRecord(r.slot, r.gen, t.key, t.meta.nbytes, tuple(t.meta.shape), t.meta.dtype,
                                     t.meta.fmt, self.seg, t.meta.extra)
                        for t, r, why in zip(batch, reservations, reasons) if r is not None and why is None]
@@ -316,22 +340,61 @@ class SSDTier:
                         reasons = ["io_error" if why is None else why for why in reasons]
                 for i, (t, r, why) in enumerate(zip(batch, reservations, reasons)):
                     if r is not None and why is None:
-                        self.index.commit(t.key, r, t.meta, self.seg)
+                        with self._cancel_lock:  # a remove() of this key either came first or comes after
+                            if t.cancelled:
+                                continue
+                            self.index.commit(t.key, r, t.meta, self.seg)
                         settled.add(i)
                         results[i] = True
-            for i, (_t, r, why) in enumerate(zip(batch, reservations, reasons)):
+            for i, (t, r, why) in enumerate(zip(batch, reservations, reasons)):
                 if results[i]:
                     continue
                 if r is not None:
                     self.index.unreserve(r)
                     settled.add(i)
-                self._count_drop(why or "io_error")
+                if t.cancelled:
+                    with self.index.lock:
+                        self.stats.cancelled_puts += 1
+                else:
+                    self._count_drop(why or "io_error")
             return results
         except BaseException:
             for i, r in enumerate(reservations):  # never leak a reserved slot
                 if r is not None and i not in settled:
                     self.index.unreserve(r)
             raise
+
+    def _log_blocked(self, batch: list[PutTask], reservations: list[Reservation | None]) -> None:
+        """Chunks that got no slot while the disk is fine: every slot is pinned or being read (logged once per
+        episode; a full disk or a failed grow logs its own episode)."""
+        if any(r is None and not t.cancelled for t, r in zip(batch, reservations)):
+            ep = self.io.episodes
+            if not (ep.active("disk-full") or ep.active("grow")):
+                ep.occurred("no-slot", logging.WARNING, "SSD tier: no slot for new chunks under %s, every slot is "
+                            "pinned or being read; chunks are dropped (kvtier_ssd_dropped_puts_total{reason="
+                            "no_space}); raise kvtier.ssd_capacity_gb or lower kvtier.pin_timeout_s",
+                            self.directory)
+        elif reservations:
+            self.io.episodes.cleared("no-slot", "SSD tier: slots are free for new chunks again")
+
+    def _journal_victims(self, reservations: list[Reservation | None]) -> bool:
+        """Journal the FREE records of the chunks evicted for these reservations before their slots are
+        overwritten. False when the append failed: the evicted chunks are back in the index and every
+        reservation has ended (the batch is not written)."""
+        frees = self.index.victim_frees(reservations)
+        if not frees:
+            return True
+        try:
+            self.io.journal_frees(frees)
+        except OSError as e:
+            self.index.restore_victims(reservations)
+            self.io.episodes.occurred("journal", logging.ERROR, "SSD journal append failed under %s (%s); chunks "
+                                      "are not stored (kvtier_ssd_dropped_puts_total)", self.directory, e)
+            with self.index.lock:
+                self.stats.journal_write_errors += 1
+            return False
+        self.index.settle_victims(reservations)
+        return True
 
     def _reserve(self) -> Reservation | None:
         """A slot for the next chunk, allocated on disk; on a full disk the budget shrinks to what exists (logged
@@ -347,11 +410,13 @@ class SSDTier:
             try:
                 self.io.files.ensure(res.slot, limit=idx.capacity)
             except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not idx.is_fresh(res):
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     idx.unreserve(res)
                     self.io.episodes.occurred("grow", logging.ERROR, "cannot grow the SSD tier's files under %s "
                                               "(%s)", self.directory, e)
                     return None
+                # No room (the files never take the journal's): the slot is given back, or kept out of use if it
+                # is a hole below the highest one, and the budget stays at the slots that exist.
                 idx.disk_full(res)
                 self._disk_full_at = time.monotonic()
                 self.io.episodes.occurred("disk-full", logging.ERROR, "disk full under %s: the SSD tier stays at %d "
@@ -361,6 +426,7 @@ class SSDTier:
                 if idx.limit == 0:
                     return None
                 continue
+            self.io.episodes.cleared("grow", "the SSD tier's files grow again under %s", self.directory)
             if self._disk_full_at is None:
                 self.io.episodes.cleared("disk-full", "the SSD tier's disk has room again under %s",
                                          self.directory)
@@ -369,15 +435,17 @@ class SSDTier:
     def _maybe_compact(self) -> None:
         """Rewrite the journal as a snapshot once dead records dominate it (under the commit lock, so no COMMIT
         record is on its way from the journal to the index)."""
-        if self.io.records_written <= 4 * len(self.index) + COMPACT_SLACK:
+        if self.io.records_written <= COMPACT_PER_CHUNK * len(self.index) + COMPACT_SLACK:
             return
         try:
             with self._commit_lock:
-                if self.io.records_written > 4 * len(self.index) + COMPACT_SLACK:
+                if self.io.records_written > COMPACT_PER_CHUNK * len(self.index) + COMPACT_SLACK:
                     self.io.compact(self.index.live_records())
         except OSError as e:
             self.io.episodes.occurred("compact", logging.WARNING, "SSD journal compaction failed (%s); will retry",
                                       e)
+            return
+        self.io.episodes.cleared("compact", "SSD journal compaction succeeds again")
 
     # ------------------------------------------------------------------ reads
     def read_batch(self, keys: Sequence[str], alloc: Callable[[str, ChunkMeta], tuple[memoryview, Any] | None],
@@ -506,6 +574,24 @@ class SSDTier:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _unstorable(key: str, meta: ChunkMeta, buf: memoryview, room: int, seg: int) -> str | None:
+    """Why a chunk cannot be stored (None: it can): too large for a slot or its header, or invalid (a key that
+    is not valid UTF-8, such as a lone surrogate; metadata msgpack cannot encode). Never raises."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"invalid key ({e.reason} at character {e.start})"
+    if meta.nbytes > room:
+        return f"larger than a {room}-byte slot"
+    if len(buf) < meta.nbytes:
+        return f"invalid buffer ({len(buf)} bytes for a {meta.nbytes}-byte chunk)"
+    try:
+        fits = header_fits(key, tuple(meta.shape), meta.dtype, meta.fmt, meta.nbytes, seg, meta.extra)
+    except (TypeError, ValueError, OverflowError) as e:
+        return f"invalid metadata ({type(e).__name__}: {e})"
+    return None if fits else f"its key and shape do not fit the {HEADER_SIZE}-byte slot header"
 
 
 def _safe_release(release: Callable[[Any], None], handle: Any) -> None:

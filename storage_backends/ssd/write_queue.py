@@ -3,7 +3,8 @@
 `submit` / `submit_many` queue chunks unless the same key is already stored or queued (checked again after every
 wait, so two threads storing one key never both get through); when the queued bytes would exceed the bound they
 wait up to the timeout for the writers to drain, then drop the chunk (counted, never silent). Writers `take`
-batches and mark them `done`; `flush` waits until nothing is queued or being written.
+batches and mark them `done`; `flush` waits until nothing is queued or being written. `cancel` marks a queued (or
+being written) chunk as cancelled: the writer does not commit it, and the key may be queued again at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class PutTask:
     buf: memoryview
     on_done: Callable[[bool], None]
     submitted: float
+    cancelled: bool = False  #: set by `WriteQueue.cancel` (the key was removed): never committed
 
 
 class Submitted(enum.Enum):
@@ -91,6 +93,17 @@ class WriteQueue:
                     del self._pending[t.key]
                 self.inflight_bytes -= t.meta.nbytes
             self._cond.notify_all()
+
+    def cancel(self, key: str) -> bool:
+        """Cancel the queued or in-progress write of `key` (True if there was one). Its bytes stay counted until
+        the writer is done with it; `is_pending(key)` is False from now on."""
+        with self._cond:
+            task = self._pending.pop(key, None)
+            if task is None:
+                return False
+            task.cancelled = True
+            self._cond.notify_all()
+            return True
 
     def is_pending(self, key: str) -> bool:
         with self._cond:
