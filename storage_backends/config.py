@@ -62,7 +62,8 @@ class KeySpec:
 KEYS: tuple[KeySpec, ...] = (
     KeySpec("ssd_path", "str", "Directory of the SSD tier's slot files (created 0700 if missing).", required=True),
     KeySpec("ssd_capacity_gb", "float", "Upper bound of the SSD tier's size in GiB; unpinned chunks are evicted "
-            "to stay under it.", required=True, minimum=0.0, exclusive=True),
+            "to stay under it. Above the disk's free space the tier grows only into what is free, keeping room for "
+            "its journal (`kvtier check-config` warns).", required=True, minimum=0.0, exclusive=True),
     KeySpec("io_threads", "int", "Threads issuing pread/pwrite (or kvikio) requests in parallel.", minimum=1),
     KeySpec("io_engine", "choice", "`auto` (kvikio when a CUDA driver is present, POSIX otherwise; logged), "
             "`posix` or `kvikio` (fails at start if kvikio cannot run).", choices=("auto", "posix", "kvikio")),
