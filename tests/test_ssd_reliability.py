@@ -298,3 +298,38 @@ def test_journal_keeps_whole_records_after_failed_free_appends(tier_config, ssd,
         assert sorted(t.keys()) == ["k4", "k5"] and t.stats.journal_damaged_records == 0
     finally:
         t.close()
+
+
+def test_an_append_cut_short_by_a_full_disk_leaves_whole_records(tier_config, ssd, monkeypatch, caplog):
+    """ENOSPC half-way through an append: the journal is cut back to where it began, so the next start finds no
+    damaged range (before, the partial record was reported as damage at every restart until compaction)."""
+    cfg = tier_config(ssd_capacity_gb=capacity_gb(8), o_direct=False)
+    t = SSDTier(cfg, CHUNK)
+    real = os.write
+    state = {"on": True}
+
+    def half_write(fd, data):
+        if state["on"] and fd == t.io.journal._fd:
+            if state["on"] == "short":
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            state["on"] = "short"
+            return real(fd, bytes(data[:len(data) // 2]))  # a short write, then ENOSPC
+        return real(fd, data)
+
+    try:
+        assert ssd.put(t, "a", ssd.payload(1, CHUNK))
+        monkeypatch.setattr(os, "write", half_write)
+        assert not ssd.put(t, "torn", ssd.payload(2, CHUNK))
+        state["on"] = False
+        assert ssd.put(t, "b", ssd.payload(3, CHUNK))
+    finally:
+        t.close()
+    raw = open(t.io.journal.path, "rb").read()
+    assert record_spans(raw)[-1][1] == len(raw)
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        t = SSDTier(cfg, CHUNK)
+    try:
+        assert sorted(t.keys()) == ["a", "b"] and t.stats.journal_damaged_records == 0
+        assert messages(caplog, "damaged byte range") == 0
+    finally:
+        t.close()

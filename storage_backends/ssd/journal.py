@@ -67,9 +67,14 @@ class Journal:
         framed = [encode_record(r) for r in records]
         self.record_bytes = max(self.record_bytes, max(map(len, framed)))
         data = b"".join(framed)
+        start = os.fstat(self._fd).st_size
         done = 0
-        while done < len(data):
-            done += os.write(self._fd, data[done:])
+        try:
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError:
+            self._cut_back(start)
+            raise
         self.records_written += len(records)
         if sync:
             os.fsync(self._fd)
@@ -98,6 +103,16 @@ class Journal:
         os.close(self._fd)
         self._fd = open_nofollow(self.path, os.O_RDWR | os.O_APPEND)
         self.records_written = len(live)
+
+    def _cut_back(self, size: int) -> None:
+        """After an append that wrote part of its records (ENOSPC half-way): cut the journal back to where the
+        append began, so the next restart finds whole records only (never raises; a partial record left behind
+        is skipped as damage at the next start)."""
+        try:
+            if os.fstat(self._fd).st_size > size:
+                os.ftruncate(self._fd, size)
+        except OSError:
+            pass
 
     def reserve_bytes(self, slots: int) -> int:
         """Room to keep free for the journal of a tier of `slots` slots: twice its size at the compaction threshold
