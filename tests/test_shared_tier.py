@@ -12,14 +12,24 @@ import torch
 pytest.importorskip("redis")
 
 from kvtier.storage_backends.config import ConfigError  # noqa: E402
+from kvtier.storage_backends.shared import tier as shared_tier  # noqa: E402
 from kvtier.storage_backends.shared.config import SharedTierOptions  # noqa: E402
 from kvtier.storage_backends.shared.tier import (  # noqa: E402
+    LocalFirstOrder,
     arrange_local_first,
     attach_shared_tier,
+    detach_remote_backends,
 )
 from kvtier.testing.engine_factory import TINY as SHAPE  # noqa: E402
-from kvtier.testing.engine_factory import ModelShape, kvtier_backend, random_kv  # noqa: E402
-from kvtier.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.engine_factory import (  # noqa: E402
+    ModelShape,
+    build_engine,
+    destroy_engine,
+    kvtier_backend,
+    load_lmcache_config,
+    random_kv,
+)
+from kvtier.testing.redis_server import READ_COMMANDS, RedisServer, redis_server_binary  # noqa: E402
 from kvtier.testing.waiting import wait_until  # noqa: E402
 
 CHUNK = 16
@@ -126,33 +136,120 @@ def test_other_model_or_layout_never_reads_the_chunks(redis_server, engines):
             s.close()
 
 
-def test_local_ssd_tier_is_read_before_the_store(redis_server, engines):
-    """An engine that kvtier's connector does not build (LMCache's own remote backend, no SharedTier): LMCache
-    writes every chunk to both the SSD tier and Redis. In LMCache's fixed order its retrieve reads them from
-    Redis; after `arrange_local_first` the SSD tier serves them and Redis counts no GET."""
+def backend_order(engine) -> list[str]:
+    return [type(b).__name__ for b in engine.storage_manager.storage_backends.values()]
+
+
+def store_everywhere(engine, redis_server, tokens: torch.Tensor, kv: torch.Tensor) -> None:
+    """Store through LMCache (write-through: host tier, kvtier's SSD tier and Redis), wait until the SSD tier and
+    Redis (metadata + data key per chunk; LMCache's remote puts are asynchronous) hold every chunk."""
+    chunks = len(tokens) // CHUNK
+    engine.store(tokens, kvcaches=kv)
+    assert kvtier_backend(engine).flush(60)
+    wait_until(lambda: redis_server.dbsize() >= 2 * chunks, 30,
+               lambda: f"{2 * chunks} keys in Redis ({redis_server.dbsize()})")
+
+
+def retrieve_without_host_copies(engine, redis_server, tokens: torch.Tensor, kv: torch.Tensor) -> tuple[int, int]:
+    """Drop the host tier's copies (only the SSD tier and Redis hold the chunks), retrieve through LMCache's own
+    walk and check the KV bit for bit; returns (value reads, bytes) Redis sent during the retrieve (its own INFO
+    counters, read over one connection, so the count holds little more than the retrieve's traffic)."""
+    host = engine.storage_manager.storage_backends["LocalCPUBackend"]
+    keys = keys_of(engine, tokens)
+    # a chunk still referenced by an unfinished remote put is not dropped yet: clear until none is left
+    wait_until(lambda: host.clear() >= 0 and not any(host.contains(k) for k in keys), 30,
+               "the host tier's copies dropped")
+    client = redis_server.client()
+    client.config_resetstat()
+    out = torch.zeros_like(kv)
+    assert int(engine.retrieve(tokens, kvcaches=out).sum()) == len(tokens)
+    assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+    sent = int(client.info("stats")["total_net_output_bytes"])
+    calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in client.info("commandstats").items()}
+    return sum(n for cmd, n in calls.items() if cmd in READ_COMMANDS), sent
+
+
+@pytest.mark.compat  # LMCache's backend order and plugin loading: checked in every combination
+@pytest.mark.parametrize("when", ["at_start", "at_first_call"])
+def test_lmcache_own_engine_reads_the_local_ssd_tier_before_the_store(redis_server, engines, monkeypatch, when):
+    """Issue #28 bug 7. An engine built the way vLLM's LMCacheConnectorV1 builds it (LMCacheEngineBuilder from the
+    shipped lmcache-kvtier-redis.yaml; no kvtier connector, no SharedTier, no call to `arrange_local_first`): LMCache
+    builds the remote backend before the kvtier plugin and walks its backends in that order. The plugin moves
+    itself ahead of it, right after the engine is built (`at_start`) or, that disabled, at its first call
+    (`at_first_call`), so with the host copies dropped the SSD tier serves every chunk, bit-exact, and Redis sends
+    lookup-sized bytes at most, never a chunk."""
+    if when == "at_first_call":
+        monkeypatch.setattr(LocalFirstOrder, "start", lambda self, loop: None)
     e = engines()
     ssd = kvtier_backend(e)
-    tokens = torch.arange(96)
-    kv = kv_for(96, seed=2)
-    e.store(tokens, kvcaches=kv)
-    assert ssd.flush(30)
-    # LMCache's remote puts are asynchronous: 6 chunks, metadata + data keys each
-    wait_until(lambda: redis_server.dbsize() >= 12, 10, lambda: f"12 keys in Redis ({redis_server.dbsize()})")
-    assert redis_server.dbsize() == 12
-    host = e.storage_manager.storage_backends["LocalCPUBackend"]
+    if when == "at_start":
+        wait_until(lambda: ssd.local_first.done, 10, lambda: f"the plugin's order settled ({backend_order(e)})")
+        assert backend_order(e) == ["LocalCPUBackend", "KVTierBackend", "RemoteBackend"]
+    else:
+        assert backend_order(e) == ["LocalCPUBackend", "RemoteBackend", "KVTierBackend"]  # LMCache's own order
+        walk = iter(e.storage_manager.storage_backends.items())  # a walk of LMCache's under way ...
+        next(walk)
+    tokens = torch.arange(256 * CHUNK)
+    kv = kv_for(len(tokens), seed=2)
+    store_everywhere(e, redis_server, tokens, kv)
+    if when == "at_first_call":
+        assert [type(b).__name__ for _, b in walk] == ["RemoteBackend", "KVTierBackend"]  # ... ends unharmed
+    assert backend_order(e) == ["LocalCPUBackend", "KVTierBackend", "RemoteBackend"] and ssd.local_first.arranged
+    hits = ssd.tier.stats.hits
+    reads, sent = retrieve_without_host_copies(e, redis_server, tokens, kv)
+    assert reads == 0, redis_server.commandstats()
+    assert sent < SHAPE.chunk_bytes(CHUNK), f"Redis sent {sent} bytes: more than lookups"
+    assert ssd.tier.stats.hits - hits == 256
 
-    def retrieve() -> int:
-        host.clear()
-        redis_server.reset_stats()
-        out = torch.zeros_like(kv)
-        assert int(e.retrieve(tokens, kvcaches=out).sum()) == 96
-        assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
-        return redis_server.reads()
 
-    assert retrieve() > 0 and ssd.tier.stats.hits == 0  # LMCache's own order: the network first
+@pytest.mark.compat
+def test_a_restarted_engine_reads_its_ssd_tier_before_the_store_from_its_first_lookup(redis_server, tmp_path,
+                                                                                         lmcache_yaml):
+    """A restarted engine whose SSD tier still holds every chunk (and so does Redis): its very first operation is a
+    retrieve, whose lookup LMCache would end at Redis (it holds every chunk) without ever calling the plugin. The
+    plugin arranged the order right after the engine was built, so the SSD tier serves it and Redis sends no chunk."""
+    path = lmcache_yaml(CHUNK, 0.05, base="lmcache-kvtier-redis.yaml", redis_port=PORT, ssd=tmp_path / "ssd")
+    tokens = torch.arange(64 * CHUNK)
+    kv = kv_for(len(tokens), seed=3)
+    first = build_engine(load_lmcache_config(path), SHAPE)
+    try:
+        store_everywhere(first, redis_server, tokens, kv)
+    finally:
+        detach_remote_backends(first)
+        destroy_engine(first)
+    again = build_engine(load_lmcache_config(path), SHAPE)
+    try:
+        ssd = kvtier_backend(again)
+        wait_until(lambda: ssd.local_first.done, 10, lambda: f"the plugin's order settled ({backend_order(again)})")
+        assert ssd.local_first.arranged
+        reads, sent = retrieve_without_host_copies(again, redis_server, tokens, kv)
+        assert reads == 0, redis_server.commandstats()
+        assert sent < SHAPE.chunk_bytes(CHUNK), f"Redis sent {sent} bytes: more than lookups"
+        assert ssd.tier.stats.hits == 64
+    finally:
+        detach_remote_backends(again)
+        destroy_engine(again)
+
+
+def test_a_plugin_that_cannot_find_its_engine_says_so_once_and_arrange_local_first_fixes_it(redis_server, engines,
+                                                                                             monkeypatch, caplog):
+    """An engine LMCache's builder did not make: the plugin cannot reach its StorageManager. It says so once, as a
+    WARNING naming the fix (never a silent fallback), and `arrange_local_first(engine)` is that fix."""
+    monkeypatch.setattr(LocalFirstOrder, "start", lambda self, loop: None)
+    monkeypatch.setattr(shared_tier, "owning_storage_manager", lambda backend: None)
+    e = engines()
+    tokens = torch.arange(16 * CHUNK)
+    kv = kv_for(len(tokens), seed=4)
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage_backends.shared.tier"):
+        store_everywhere(e, redis_server, tokens, kv)
+        reads, _ = retrieve_without_host_copies(e, redis_server, tokens, kv)
+    said = [r for r in caplog.records if "arrange_local_first(engine)" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert reads > 0  # LMCache's own order: the network first
     assert arrange_local_first(e) and not arrange_local_first(e)
-    assert retrieve() == 0, redis_server.commandstats()
-    assert ssd.tier.stats.hits == 6
+    assert backend_order(e) == ["LocalCPUBackend", "KVTierBackend", "RemoteBackend"]
+    reads, _ = retrieve_without_host_copies(e, redis_server, tokens, kv)
+    assert reads == 0, redis_server.commandstats()
 
 
 def test_store_down_at_start_fails_clearly_or_degrades(tmp_path, engines, caplog, monkeypatch):

@@ -6,6 +6,9 @@ LMCache contracts honoured here (see LMCache 0.5.6 `StoragePluginInterface` and 
 - Sync gets allocate from `local_cpu_backend` (LMCache promotes a complete result into its host tier without a
   copy). Async gets (`enable_async_loading`) return the hit prefix and release this plugin's lookup pins.
 - The plugin owns its capacity (LMCache never asks it to evict).
+- LMCache asks its remote backends (`remote_url`, `remote_storage_plugins`) before storage plugins; the plugin moves
+  itself ahead of them once its engine is built (`shared.tier.LocalFirstOrder`), so the SSD tier is read before the
+  network.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lmcache.utils import CacheEngineKey
@@ -24,7 +27,11 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from kvtier.compat import guard
 from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
 from kvtier.storage_backends.lmcache.host_pool import HostPoolWatch
+from kvtier.storage_backends.shared.config import remote_configured
 from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
+
+if TYPE_CHECKING:
+    from kvtier.storage_backends.shared.tier import LocalFirstOrder
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +99,8 @@ class KVTierBackend(StoragePluginInterface):
                          local_cpu_backend=local_cpu_backend, loop=loop)
         self.kvtier_config = parse_kvtier_config(getattr(config, "extra_config", None))
         self._lookup_pins: dict[str, list[str]] = {}
+        #: puts this plugin ahead of LMCache's remote backends (None: no remote backend, or the scheduler role)
+        self.local_first: LocalFirstOrder | None = None
         if local_cpu_backend is None:
             # Scheduler role: LMCache's scheduler never reads or writes chunks itself.
             self.tier = None
@@ -108,24 +117,37 @@ class KVTierBackend(StoragePluginInterface):
             subdir=f"worker{metadata.worker_id}-of-{metadata.world_size}",
             max_inflight_bytes=_inflight_cap(config),
         )
+        if remote_configured(config):
+            from kvtier.storage_backends.shared.tier import LocalFirstOrder  # its metrics only where a store is
+
+            self.local_first = LocalFirstOrder(self)
+            if loop is not None:
+                self.local_first.start(loop)
         logger.debug("kvtier SSD tier ready for %s (dst_device=%s)", metadata.model_name, dst_device)
 
     def __str__(self) -> str:
         return "KVTierBackend"
 
+    def _ensure_local_first(self) -> None:
+        if self.local_first is not None:
+            self.local_first.ensure()
+
     # ----------------------------------------------------------------- lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        self._ensure_local_first()
         return self.tier is not None and self.tier.contains(key.to_string(), pin)
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         if self.tier is None:
             return 0
+        self._ensure_local_first()
         # A pinned lookup is a request's lookup of its prefix chain (LMCache's retrieve-time checks do not pin).
         return self.tier.prefix_contains([k.to_string() for k in keys], pin, request=pin)
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
         if self.tier is None:
             return 0
+        self._ensure_local_first()
         strs = [k.to_string() for k in keys]
         n = self.tier.prefix_contains(strs, pin, request=True)
         if pin and n:
@@ -153,6 +175,7 @@ class KVTierBackend(StoragePluginInterface):
                                 on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> None:
         if self.tier is None:
             return None
+        self._ensure_local_first()
         puts = []
         for key, obj in zip(keys, objs, strict=True):
             extra = {}
@@ -201,13 +224,16 @@ class KVTierBackend(StoragePluginInterface):
                                     lambda obj: obj.ref_count_down())
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        self._ensure_local_first()
         return self._read([key], True)[0]
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        self._ensure_local_first()
         return self._read(keys, True)
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],
                                        transfer_spec: Any = None) -> list[MemoryObj]:
+        self._ensure_local_first()
         try:
             loop = asyncio.get_running_loop()
             objs = await loop.run_in_executor(None, self._read, keys, False)
