@@ -306,6 +306,13 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         '        except OSError:\n            raise\n',
         'tests/test_ssd_reliability.py::test_an_append_cut_short_by_a_full_disk_leaves_whole_records',
     ),
+    (
+        'host pool freed under queued SSD writes (issue 28)',
+        'storage_backends/lmcache/backend.py',
+        '        _end_writes_before_pool_closes(local_cpu_backend, self.tier)\n',
+        '',
+        'tests/test_lmcache_plugin.py::test_lmcache_frees_its_host_pool_only_after_the_ssd_writes_end',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu")

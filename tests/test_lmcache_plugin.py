@@ -282,3 +282,38 @@ def test_check_config_command_fails_loudly(lmcache_yaml, tmp_path):
     for path, message in cases.items():
         res = subprocess.run([exe, "check-config", path], capture_output=True, text=True, timeout=120)
         assert res.returncode == 1 and message in res.stderr, (path, res.stderr[-2000:])
+
+
+def test_lmcache_frees_its_host_pool_only_after_the_ssd_writes_end(lmcache_yaml, monkeypatch):
+    """LMCache closes LocalCPUBackend (unmapping the host pool) before the plugin: queued SSD writes must be over by
+    then (flushed for CLOSE_FLUSH_S, the rest dropped and counted), or a writer reads freed memory (a crash in the
+    CRC, seen in 2 of 4 runs before the fix). The spy frees the pool only when no writer is left."""
+    import time
+
+    from kvtier.storage_backends.lmcache import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "CLOSE_FLUSH_S", 0.2)
+    e = build_engine(load_lmcache_config(lmcache_yaml(ssd_capacity_gb=0.05)), WIDE)
+    b = kvtier_backend(e)
+    tier = b.tier
+    real = tier._write_batch
+    monkeypatch.setattr(tier, "_write_batch", lambda batch: (time.sleep(1.0), real(batch))[1])
+    allocator = e.storage_manager.storage_backends["LocalCPUBackend"].memory_allocator
+    free_pool = allocator.close
+    seen: dict[str, object] = {}
+
+    def spy() -> None:
+        seen["writers_alive"] = [w.is_alive() for w in tier._writers]
+        seen["queued_bytes"] = tier.queue.inflight_bytes
+        if not any(seen["writers_alive"]):  # never free memory a writer may still read (reverted fix: a leak)
+            free_pool()
+
+    monkeypatch.setattr(allocator, "close", spy)
+    g = torch.Generator().manual_seed(3)
+    for s in range(4):
+        tokens = torch.arange(s * 10_000, s * 10_000 + 8 * CHUNK)
+        e.store(tokens, kvcaches=torch.randn(2, 2, 8 * CHUNK, WIDE.hidden, generator=g).to(WIDE.dtype))
+    destroy_engine(e)
+    assert seen == {"writers_alive": [False, False], "queued_bytes": 0}
+    st = tier.stats
+    assert st.dropped_shutdown > 0 and st.committed + st.dropped_shutdown == 32, st.as_dict()

@@ -117,6 +117,7 @@ class KVTierBackend(StoragePluginInterface):
             subdir=f"worker{metadata.worker_id}-of-{metadata.world_size}",
             max_inflight_bytes=_inflight_cap(config),
         )
+        _end_writes_before_pool_closes(local_cpu_backend, self.tier)
         if remote_configured(config):
             from kvtier.storage_backends.shared.tier import LocalFirstOrder  # its metrics only where a store is
 
@@ -257,11 +258,35 @@ class KVTierBackend(StoragePluginInterface):
     def flush(self, timeout: float | None = None) -> bool:
         return self.tier is None or self.tier.flush(timeout)
 
-    def close(self) -> None:
+    def close(self) -> None:  # usually after LMCache's host tier closed (which ended the SSD writes already)
         if self.tier is not None:
             if not self.tier.flush(timeout=60):
                 logger.warning("closing with SSD writes still queued; those chunks are not stored")
             self.tier.close()
+
+
+#: when LMCache closes its host tier, how long queued SSD writes may still take before the rest is dropped
+CLOSE_FLUSH_S = 10.0
+
+
+def _end_writes_before_pool_closes(local_cpu_backend: Any, tier: SSDTier) -> None:
+    """LMCache's StorageManager closes its backends in order, LocalCPUBackend first, and that close frees the host
+    pool (`MixedMemoryAllocator.close` unmaps it) while this plugin's queued SSD writes still read chunks there:
+    a writer then crashed the process in the CRC, or could have written reused memory. So the SSD tier's writes
+    end (flushed for up to CLOSE_FLUSH_S, the rest dropped and counted) before LocalCPUBackend's own close runs."""
+    close_pool = local_cpu_backend.close
+
+    def close() -> None:
+        try:
+            if not tier.flush(timeout=CLOSE_FLUSH_S):
+                logger.warning("LMCache is closing its host tier with SSD writes still queued after %.0f s; "
+                               "those chunks are not stored", CLOSE_FLUSH_S)
+            tier.close(drain=False)
+        except Exception:
+            logger.exception("ending the SSD tier's writes before LMCache's host pool closes failed")
+        close_pool()
+
+    local_cpu_backend.close = close
 
 
 def load_lmcache_config(path: str | None = None, overrides: dict[str, Any] | None = None):

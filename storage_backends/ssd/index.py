@@ -78,6 +78,7 @@ class TierStats:
     dropped_io_error: int = 0
     dropped_too_large: int = 0
     dropped_invalid: int = 0  #: keys or metadata that cannot be encoded (a lone surrogate in a key...)
+    dropped_shutdown: int = 0  #: queued writes dropped by `SSDTier.close(drain=False)`
     hits: int = 0
     misses: int = 0
     corrupt: int = 0

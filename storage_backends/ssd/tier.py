@@ -273,6 +273,8 @@ class SSDTier:
                 self.stats.dropped_too_large += n
             elif reason == "invalid":
                 self.stats.dropped_invalid += n
+            elif reason == "shutdown":
+                self.stats.dropped_shutdown += n
             else:
                 self.stats.dropped_io_error += n
         M.SSD_DROPPED.labels(reason).inc(n)
@@ -560,14 +562,29 @@ class SSDTier:
         return self._preparer is not None and self.prepared_event.wait(timeout)
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def close(self, *, drain: bool = True) -> None:
+        """Stop the tier. `drain`: every queued write is written first; otherwise the writes no writer holds yet
+        are dropped (counted, their `on_done(False)` called) and only the batches being written finish, so that
+        once this returns nothing reads the callers' buffers any more (LMCache is about to free its host pool)."""
         if self._closed:
             return
         self._closed = True
         self._wake.set()
         if self._preparer is not None:
             self._preparer.join()
-        self.queue.close()
+        if drain:
+            self.queue.close()
+        else:
+            dropped = self.queue.abandon()
+            if dropped:
+                self._count_drop("shutdown", len(dropped))
+                logger.warning("SSD tier at %s closing: %d queued chunk(s) not written (their host memory is "
+                               "being freed)", self.directory, len(dropped))
+            for t in dropped:
+                try:
+                    t.on_done(False)
+                except Exception:
+                    logger.exception("put completion callback failed for %s", t.key)
         for w in self._writers:
             w.join()
         self.io.close()

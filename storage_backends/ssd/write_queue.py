@@ -117,3 +117,17 @@ class WriteQueue:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
+
+    def abandon(self) -> list[PutTask]:
+        """Close, and take back every chunk not yet taken by a writer (returned, no longer pending or counted):
+        the writers finish only the batches they hold."""
+        with self._cond:
+            self.closed = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            for t in dropped:
+                if self._pending.get(t.key) is t:
+                    del self._pending[t.key]
+                self.inflight_bytes -= t.meta.nbytes
+            self._cond.notify_all()
+            return dropped
