@@ -124,3 +124,12 @@ def pytest_sessionfinish(session, exitstatus):
     with open(path, "w") as f:
         json.dump({"installed": {"build": v.build, "vllm": v.vllm, "lmcache": v.lmcache},
                    "tests": list(_outcomes.values())}, f, indent=1)
+
+
+@pytest.fixture(autouse=True)
+def _episodes_settle_at_once(monkeypatch):
+    """In-process tests see an episode end at the first success after it (servers they start keep SETTLE_S);
+    tests/test_ssd_reliability.py checks the settling time itself."""
+    from kvtier.storage_backends.ssd import episodes
+
+    monkeypatch.setattr(episodes, "SETTLE_S", 0.0)

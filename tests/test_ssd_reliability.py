@@ -118,12 +118,12 @@ def test_backpressure_episodes_are_logged_each_time(tier_config, ssd, monkeypatc
     try:
         with caplog.at_level(logging.INFO, logger="kvtier"):
             for episode in range(2):
-                gate = hold_writer(monkeypatch, t)
-                assert t.submit_put(f"fill{episode}", ssd.meta(1 << 20), memoryview(big), lambda ok: None)
-                assert not t.submit_put(f"late{episode}", ssd.meta(1 << 20), memoryview(big), lambda ok: None)
-                gate.set()
-                assert t.flush(20)
-                monkeypatch.undo()
+                with pytest.MonkeyPatch.context() as held:
+                    gate = hold_writer(held, t)
+                    assert t.submit_put(f"fill{episode}", ssd.meta(1 << 20), memoryview(big), lambda ok: None)
+                    assert not t.submit_put(f"late{episode}", ssd.meta(1 << 20), memoryview(big), lambda ok: None)
+                    gate.set()
+                    assert t.flush(20)
                 assert ssd.put(t, f"after{episode}", big)  # queued without waiting: the episode is over
         assert t.stats.dropped_backpressure == 2
         assert messages(caplog, "cannot keep up") == 2
@@ -333,3 +333,30 @@ def test_an_append_cut_short_by_a_full_disk_leaves_whole_records(tier_config, ss
         assert messages(caplog, "damaged byte range") == 0
     finally:
         t.close()
+
+
+def test_an_episode_ends_only_after_it_settled(monkeypatch, caplog):
+    """A nearly full disk lets an operation through now and then: one outage must log one start and one clear,
+    not one pair per lucky success (the soak's ENOSPC minute logged the journal episode twice before this)."""
+    from kvtier.storage_backends.ssd import episodes
+
+    monkeypatch.setattr(episodes, "SETTLE_S", 5.0)
+    now = [100.0]
+    log = episodes.EpisodeLog(logging.getLogger("kvtier.test.episodes"), clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        for t in (100.0, 101.0, 103.0, 104.0):  # failures with successes between them, within the outage
+            now[0] = t
+            log.occurred("journal", logging.ERROR, "append failed")
+            now[0] = t + 0.5
+            log.cleared("journal", "appends succeed again")
+        assert log.active("journal")
+        now[0] = 108.9
+        log.cleared("journal", "appends succeed again")  # 4.9 s after the last failure: not yet
+        now[0] = 109.0
+        log.cleared("journal", "appends succeed again")
+        log.cleared("journal", "appends succeed again")
+        now[0] = 200.0
+        log.occurred("journal", logging.ERROR, "append failed")  # a new outage: a new episode
+    assert messages(caplog, "append failed") == 2
+    assert messages(caplog, "succeed again (4 occurrences)") == 1
+    assert messages(caplog, "succeed again") == 1
