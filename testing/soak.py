@@ -63,6 +63,9 @@ class SoakConfig:
     rate: float = 3.0  #: requests/s the client sends (Poisson), at most `concurrency` in flight
     round_s: float = 300.0  #: the longest client round (a round spans faults; the client starts in ~30-60 s)
     gap_s: float = 60.0  #: load after each fault clears (hits "after"), and before the next one
+    #: more load (in 5 s steps, at most this long) while a tier has no hit yet after a fault: a Redis restarted
+    #: empty serves hits only once chunks written after it came back are read again
+    comeback_s: float = 60.0
     enospc_s: float = 60.0
     redis_down_s: float = 20.0
     conversations: int = 8  #: per pass (a round interleaves passes: `soak_workload.round_prompts`)
@@ -393,6 +396,10 @@ class Soak:
             return before
         start = self.hits(self.metrics()) if rec.life_after == rec.life_before else {t: 0.0 for t in TIERS}
         self.keep_loaded(self.cfg.gap_s)
+        deadline = time.monotonic() + self.cfg.comeback_s
+        while (any(h <= start[t] for t, h in self.hits(self.metrics()).items() if t in start)
+               and time.monotonic() < deadline):
+            self.keep_loaded(5.0)
         self.greedy_check(rec)
         after = self.hits(self.metrics())
         rec.hits_after = {t: after[t] - start[t] for t in TIERS}
