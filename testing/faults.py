@@ -1,7 +1,7 @@
 """Faults that a soak (`testing/soak.py`) injects into a running `vllm serve` with kvtier: a small mounted file
 system to fill to ENOSPC, one flipped byte of the SSD tier's journal, and SIGKILL of a server's process group.
 
-    disk = SmallDisk(Path("/tmp/x/ssd-fs"), size_mb=48)
+    disk = SmallDisk(Path("work/ssd-fs"), size_mb=48)
     reason = disk.mount()             # None, or why it could not (then the ENOSPC fault is reported SKIPPED)
     disk.fill(); ...; disk.free()     # a filler file takes every free byte, then goes away
     disk.unmount()

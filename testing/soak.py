@@ -2,7 +2,7 @@
 tier, an SSD tier that evicts all the time and a shared Redis tier, under a real client (`vllm bench serve`), shared
 by `benchmarks/soak_serve.py` (20 minutes and more) and `tests/test_soak_serve.py` (a short schedule).
 
-    rep = run_soak(SoakConfig(workdir=Path("/tmp/soak"), minutes=20))   # prints the table, writes JSON and PNG
+    rep = run_soak(SoakConfig(workdir=Path("soak-work"), minutes=20))   # prints the table, writes JSON and PNG
 
 Faults, on a schedule while the load runs (`SoakConfig.schedule`, repeated until `minutes` are over):
 `enospc` (the SSD tier's small tmpfs filled by a filler file, then freed), `redis` (the shared tier's server
