@@ -1,9 +1,13 @@
 """Helpers for tests and benchmarks of the SSD tier: deterministic payloads, blocking put/get, capacity checks,
-and the journal's record framing (to find, damage or craft records)."""
+the journal's record framing (to find, damage or craft records), and fault hooks (a held writer, failing journal
+writes)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import struct
+import threading
 import zlib
 
 import msgspec
@@ -59,3 +63,25 @@ def record_spans(data: bytes) -> list[tuple[int, int]]:
         out.append((pos, pos + 8 + n))
         pos += 8 + n
     return out
+
+
+def hold_writer(monkeypatch, tier) -> threading.Event:
+    """Make the writers wait (after taking their next batch) until the returned event is set."""
+    gate = threading.Event()
+    real = tier._write_batch
+    monkeypatch.setattr(tier, "_write_batch", lambda batch: (gate.wait(20), real(batch))[1])
+    return gate
+
+
+def fail_journal_writes(monkeypatch, tier, err: int = errno.ENOSPC) -> dict:
+    """`err` from every write to the tier's journal while the returned `state["on"]` is true."""
+    real = os.write
+    state = {"on": True}
+
+    def write(fd, data):
+        if state["on"] and fd == tier.io.journal._fd:
+            raise OSError(err, os.strerror(err))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    return state

@@ -19,7 +19,7 @@ import pytest
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE, SlotHeader, encode_header, segments
 from kvtier.storage_backends.ssd.tier import SSDTier
-from kvtier.testing.ssd import frame, record_spans
+from kvtier.testing.ssd import fail_journal_writes, frame, hold_writer, record_spans
 from kvtier.testing.waiting import wait_until
 
 pytestmark = pytest.mark.compat
@@ -33,14 +33,6 @@ def slot_bytes(chunk: int = CHUNK) -> int:
 
 def capacity_gb(slots: int, chunk: int = CHUNK) -> float:
     return (slots * slot_bytes(chunk) + 1) / (1 << 30)
-
-
-def hold_writer(monkeypatch, tier) -> threading.Event:
-    """Make the writer wait (after taking its next batch) until the returned event is set."""
-    gate = threading.Event()
-    real = tier._write_batch
-    monkeypatch.setattr(tier, "_write_batch", lambda batch: (gate.wait(20), real(batch))[1])
-    return gate
 
 
 def threads_waiting_for_room(monkeypatch, tier) -> set[threading.Thread]:
@@ -272,20 +264,6 @@ def test_planted_probe_and_compaction_links_are_removed_not_followed(tier_config
 
 
 # ---------------------------------------------------------------------------------------------------- defect 5
-def _fail_journal_writes(monkeypatch, tier, err=errno.ENOSPC):
-    real = os.write
-    jfd = lambda: tier.io.journal._fd  # noqa: E731
-    state = {"on": True}
-
-    def write(fd, data):
-        if state["on"] and fd == jfd():
-            raise OSError(err, os.strerror(err))
-        return real(fd, data)
-
-    monkeypatch.setattr(os, "write", write)
-    return state
-
-
 def test_full_disk_never_raises_from_remove_or_get(tier_config, ssd, monkeypatch):
     t = SSDTier(tier_config(ssd_capacity_gb=capacity_gb(3)), CHUNK)
     try:
@@ -295,7 +273,7 @@ def test_full_disk_never_raises_from_remove_or_get(tier_config, ssd, monkeypatch
         with open(path, "r+b") as f:  # corrupt c's data
             f.seek(base + HEADER_SIZE + 10)
             f.write(b"\xff\xff")
-        state = _fail_journal_writes(monkeypatch, t)
+        state = fail_journal_writes(monkeypatch, t)
         assert t.remove("a") is True  # its FREE record cannot be written
         assert ssd.get(t, "c") is None and t.stats.corrupt == 1
         assert np.array_equal(ssd.get(t, "b"), ssd.payload(ord("b"), CHUNK))
@@ -309,7 +287,7 @@ def test_full_disk_never_raises_from_remove_or_get(tier_config, ssd, monkeypatch
 def test_failed_journal_appends_drop_chunks_counted_and_logged_once(tier_config, ssd, monkeypatch, caplog):
     t = SSDTier(tier_config(ssd_capacity_gb=capacity_gb(4)), CHUNK)
     try:
-        state = _fail_journal_writes(monkeypatch, t)
+        state = fail_journal_writes(monkeypatch, t)
         with caplog.at_level(logging.INFO, logger="kvtier"):
             for i in range(10):
                 assert not ssd.put(t, f"k{i}", ssd.payload(i, CHUNK))

@@ -18,7 +18,7 @@ import pytest
 from kvtier.storage_backends.ssd import tier as tier_module
 from kvtier.storage_backends.ssd.slot_format import MAX_GENERATION
 from kvtier.storage_backends.ssd.tier import SSDTier
-from kvtier.testing.ssd import frame, record_spans
+from kvtier.testing.ssd import fail_journal_writes, frame, hold_writer, record_spans
 from kvtier.testing.waiting import wait_until
 
 pytestmark = pytest.mark.compat
@@ -29,28 +29,6 @@ SLOT = 4096 + 3 * 4096
 
 def capacity_gb(slots: int) -> float:
     return (slots * SLOT + 1) / (1 << 30)
-
-
-def hold_writer(monkeypatch, tier) -> threading.Event:
-    """Make the writers wait (after taking their next batch) until the returned event is set."""
-    gate = threading.Event()
-    real = tier._write_batch
-    monkeypatch.setattr(tier, "_write_batch", lambda batch: (gate.wait(20), real(batch))[1])
-    return gate
-
-
-def fail_journal_writes(monkeypatch, tier) -> dict:
-    """ENOSPC from every write to the tier's journal while `state["on"]`."""
-    real = os.write
-    state = {"on": True}
-
-    def write(fd, data):
-        if state["on"] and fd == tier.io.journal._fd:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        return real(fd, data)
-
-    monkeypatch.setattr(os, "write", write)
-    return state
 
 
 def messages(caplog, text: str) -> int:
