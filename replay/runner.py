@@ -327,7 +327,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list; a number <= 1 is a fraction of the trace's unique blocks, else GB (or 20GiB, 500blocks)",
     )
     parser.add_argument("--ssd-capacity", default="inf", help="like --host-capacity; default unbounded")
-    parser.add_argument("--ssd-policy", default="lru", help="policy of a bounded SSD tier (default lru)")
+    parser.add_argument("--ssd-policy", default=None, help="policy of a bounded SSD tier (default lru)")
+    parser.add_argument("--kv-transfer-config", metavar="FILE", default=None,
+                        help="replay the host tier's policy (the LMCache YAML's cache_policy) and a bounded SSD tier's "
+                             "(kvtier.eviction_policy) that this vLLM --kv-transfer-config JSON (or LMCache YAML) "
+                             "sets; not with --policies or --ssd-policy")
     parser.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="bytes per block for GB sizes")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--until", type=float, default=None,
@@ -344,7 +348,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 DEFAULT_POLICIES = "lru,arc,s3fifo,answer-length,belady"
 
 
+def _file_policies(args: argparse.Namespace) -> tuple[str, str]:
+    """(host policy, SSD policy) of --kv-transfer-config's file; a contradicting flag is an error naming both."""
+    path = args.kv_transfer_config
+    clash = [flag for flag, value in (("--policies", args.policies), ("--ssd-policy", args.ssd_policy))
+             if value is not None]
+    if clash:
+        raise SystemExit(f"kvtier replay: {' and '.join(clash)} contradict --kv-transfer-config {path}: the file "
+                         "sets the host and SSD tiers' policies; give one or the other")
+    from kvtier.cli.transfer_config import load_transfer_config, unmodelled
+    from kvtier.storage_backends.config import ConfigError
+
+    try:
+        tc = load_transfer_config(path)
+    except ConfigError as e:
+        raise SystemExit(f"kvtier replay: --kv-transfer-config {path}: {e}") from None
+    host = (f"cache_policy {tc.cache_policy}" if tc.cache_policy is not None else
+            "no cache_policy: LMCache's default LRU, which is kvtier's lru")
+    bounded = parse_capacity(args.ssd_capacity, 1).blocks is not None
+    print(f"--kv-transfer-config {path} (LMCache config {tc.lmcache_file}) in effect: host tier {tc.host_policy} "
+          f"({host}), SSD tier {tc.ssd_policy} (kvtier.eviction_policy"
+          f"{'' if bounded else '; unused: --ssd-capacity is unbounded'}); capacities from --host-capacity and "
+          "--ssd-capacity")
+    ignored = unmodelled(tc, ("cache_policy", "kvtier.eviction_policy"))
+    if ignored:
+        logger.warning("kvtier replay: %s sets keys the replay does not model, ignored: %s (the replay models the "
+                       "tiers' eviction policies only: capacities come from --host-capacity and --ssd-capacity, "
+                       "there is no scheduler, no cost and no transport)", path, ", ".join(ignored))
+    return tc.host_policy, tc.ssd_policy
+
+
 def run(args: argparse.Namespace) -> int:
+    ssd_policy = args.ssd_policy if args.ssd_policy is not None else "lru"
+    names = args.policies
+    if args.kv_transfer_config is not None:
+        names, ssd_policy = _file_policies(args)
     reqs = read_trace(args.trace, args.format, args.limit)
     if args.until is not None:
         reqs = [r for r in reqs if r.timestamp < args.until]
@@ -356,7 +394,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.trace}: no requests at or after --score-from {args.score_from}", file=sys.stderr)
         return 1
     uniq = unique_blocks(scored)
-    names = args.policies
     if names is None:
         names = DEFAULT_POLICIES + (",vllm-lru,vllm-arc" if vllm_offload.installed() else "")
     policies = [POLICY_ALIASES.get(p.strip(), p.strip()) for p in names.split(",") if p.strip()]
@@ -384,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
             for p in policies:
                 if bar is not None:
                     bar.set_postfix_str(f"{p}@{host.label}")
-                results.append(replay_one(reqs, p, host, ssd, args.ssd_policy, progress=bar.update if bar else None,
+                results.append(replay_one(reqs, p, host, ssd, ssd_policy, progress=bar.update if bar else None,
                                           score_from=args.score_from))
     finally:
         if bar is not None:

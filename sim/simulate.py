@@ -2,6 +2,8 @@
 `kvtier.cli.main`). It reads a trace, chooses the time scale (`calibrate_time_scale`), replays it under each
 scheduler asked for, one GPU (`kvtier.sim.engine`) or several replicas with a shared tier (`--replicas`,
 `--remote*`: `kvtier.sim.remote`), and prints, writes and plots the results (`kvtier.sim.report`).
+`--kv-transfer-config FILE` runs the scheduler, its knobs, the host tier's eviction policy and size that a vLLM
+`--kv-transfer-config` JSON (or an LMCache YAML) sets (`kvtier.cli.transfer_config`) instead of the flags.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvtier.scheduler_hooks.dual_queue_policy import (
     DUAL_QUEUE_MODIFIERS,
+    SCHEDULER_KEYS,
     SCHEDULER_NAMES,
     DualQueueConfig,
     make_scheduling_policy,
@@ -34,17 +37,22 @@ __all__ = ["add_arguments", "cluster_wanted", "policy_config", "remote_config", 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `kvtier simulate`."""
     parser.add_argument("trace", help="request trace (Mooncake JSONL)")
-    parser.add_argument("--scheduler", default="dual-queue",
+    parser.add_argument("--scheduler", default=None,
                         help=f"one of {', '.join(SCHEDULER_NAMES)} (dual-queue names may combine "
-                             f"+{', +'.join(DUAL_QUEUE_MODIFIERS)}), a comma-separated list, or 'all'")
+                             f"+{', +'.join(DUAL_QUEUE_MODIFIERS)}), a comma-separated list, or 'all' "
+                             f"(default {DEFAULT_SCHEDULER})")
+    parser.add_argument("--kv-transfer-config", metavar="FILE", default=None,
+                        help="run the scheduler, its kvtier.scheduler knobs, the host tier's cache_policy and "
+                             "max_local_cpu_size that this vLLM --kv-transfer-config JSON (or LMCache YAML) sets; "
+                             f"not with {', '.join(FILE_FLAGS.values())}")
     parser.add_argument("--json", dest="json_out", help="write the results here (JSON)")
     parser.add_argument("--plot", help="write a PNG plot here (TTFT CDF, queueing over time)")
     parser.add_argument("--time-scale", type=float, default=None,
                         help="multiply arrival times by this (default: chosen so FCFS keeps the GPU --load busy)")
     parser.add_argument("--load", type=float, default=0.85,
                         help="target FCFS GPU busy fraction for the default scale")
-    parser.add_argument("--eviction", default="lru",
-                        help="host-tier eviction policy (any registered production name)")
+    parser.add_argument("--eviction", default=None,
+                        help=f"host-tier eviction policy (any registered production name; default {DEFAULT_EVICTION})")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES), help="cost profile")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--start-s", type=float, default=None, help="use only requests arriving at or after this "
@@ -52,13 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--end-s", type=float, default=None,
                         help="use only requests arriving before this trace second")
     parser.add_argument("--host-gb", type=float, default=None, help="override the host tier's capacity (GB)")
-    parser.add_argument("--delay-hit-threshold", type=int, default=100, help="tokens (default 100)")
-    parser.add_argument("--starvation-multiple", type=float, default=4.0, help="x mean wait (default 4)")
-    parser.add_argument("--starvation-floor", type=float, default=2.0, help="seconds (default 2)")
+    parser.add_argument("--delay-hit-threshold", type=int, default=None, help="tokens (default 100)")
+    parser.add_argument("--starvation-multiple", type=float, default=None, help="x mean wait (default 4)")
+    parser.add_argument("--starvation-floor", type=float, default=None, help="seconds (default 2)")
     parser.add_argument("--mean-window", type=int, default=None,
                         help="dispatched requests the starvation bound's mean wait is taken over "
                              "(default: the policy's)")
-    parser.add_argument("--starvation-lookahead", action="store_true",
+    parser.add_argument("--starvation-lookahead", action="store_true", default=None,
                         help="with +hrrn: a request goes next only if every older ready request can still start "
                              "within the starvation bound (`starvation_lookahead`)")
     parser.add_argument("--recompute-gpu-weight", type=float, default=None,
@@ -69,6 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="queued write-back before writes are dropped (default 2, production's default)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_cluster_arguments(parser)
+
+
+DEFAULT_SCHEDULER = "dual-queue"
+DEFAULT_EVICTION = "lru"
+#: flags whose setting --kv-transfer-config's file makes (argument name -> flag)
+FILE_FLAGS = {"scheduler": "--scheduler", "eviction": "--eviction", "host_gb": "--host-gb",
+              "delay_hit_threshold": "--delay-hit-threshold", "starvation_multiple": "--starvation-multiple",
+              "starvation_floor": "--starvation-floor", "mean_window": "--mean-window",
+              "starvation_lookahead": "--starvation-lookahead", "recompute_gpu_weight": "--recompute-gpu-weight"}
+#: `kvtier.scheduler` keys of the load plan's cost model: the simulated hardware is `--profile`'s, and the
+#: simulator's planner knows its costs exactly (nothing calibrates them)
+UNMODELLED_SCHEDULER_KEYS = ("ssd_read_gbps", "host_load_gbps", "prefill_us_per_token", "prefill_ns_per_token_pair",
+                             "prefill_overhead_ms", "kv_bytes_per_token", "calibrate", "calibration_weight")
 
 
 def _schedulers(arg: str) -> list[str]:
@@ -83,33 +104,78 @@ def _schedulers(arg: str) -> list[str]:
 
 def policy_config(args: argparse.Namespace) -> DualQueueConfig:
     """kvtier's policy knobs from the arguments (the rest are the policy's defaults)."""
-    cfg = DualQueueConfig(delay_hit_threshold_tokens=args.delay_hit_threshold,
-                          starvation_multiple=args.starvation_multiple, starvation_floor_s=args.starvation_floor)
-    if getattr(args, "mean_window", None) is not None:
-        cfg = replace(cfg, mean_window=args.mean_window)
-    if getattr(args, "starvation_lookahead", False):
-        cfg = replace(cfg, starvation_lookahead=True)
-    if getattr(args, "recompute_gpu_weight", None) is not None:
+    cfg = DualQueueConfig()
+    given = {"delay_hit_threshold_tokens": args.delay_hit_threshold, "starvation_multiple": args.starvation_multiple,
+             "starvation_floor_s": args.starvation_floor, "mean_window": args.mean_window,
+             "starvation_lookahead": args.starvation_lookahead}
+    cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
+    if args.recompute_gpu_weight is not None:
         cfg = replace(cfg, load_plan=replace(cfg.load_plan, recompute_gpu_weight=args.recompute_gpu_weight))
     return cfg
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run `kvtier simulate`; 1 when some run did not complete every request."""
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """What the run simulates: from the flags, or from --kv-transfer-config's file."""
+
+    schedulers: tuple[str, ...]
+    eviction: str
+    policy: DualQueueConfig
+    host_bytes: int | None
+
+
+def _setup(args: argparse.Namespace) -> _Setup:
+    """The schedulers, policy knobs, host policy and size of this run; with --kv-transfer-config, the file's (a
+    flag that would contradict it is an error naming both)."""
     from kvtier.storage_backends.eviction import production_policy_names
 
-    names = _schedulers(args.scheduler)
-    if args.eviction not in production_policy_names():
-        raise SystemExit(f"kvtier simulate: unknown eviction policy {args.eviction!r}; "
-                         f"choose from {', '.join(production_policy_names())}")
+    if args.kv_transfer_config is None:
+        eviction = args.eviction if args.eviction is not None else DEFAULT_EVICTION
+        if eviction not in production_policy_names():
+            raise SystemExit(f"kvtier simulate: unknown eviction policy {eviction!r}; "
+                             f"choose from {', '.join(production_policy_names())}")
+        return _Setup(tuple(_schedulers(args.scheduler if args.scheduler is not None else DEFAULT_SCHEDULER)), eviction,
+                      policy_config(args), int(args.host_gb * 1e9) if args.host_gb is not None else None)
+    path = args.kv_transfer_config
+    clash = [flag for name, flag in FILE_FLAGS.items() if vars(args)[name] is not None]
+    if clash:
+        raise SystemExit(f"kvtier simulate: {' and '.join(clash)} contradict --kv-transfer-config {path}: the file "
+                         "sets the scheduler, its knobs and the host tier's policy and size; give one or the other")
+    from kvtier.cli.transfer_config import load_transfer_config, unmodelled
+    from kvtier.storage_backends.config import ConfigError
+
+    try:
+        tc = load_transfer_config(path)
+    except ConfigError as e:
+        raise SystemExit(f"kvtier simulate: --kv-transfer-config {path}: {e}") from None
+    keys = ", ".join(f"{k}: {json.dumps(v)}" for k, v in tc.scheduler_keys)
+    print(f"--kv-transfer-config {path} (LMCache config {tc.lmcache_file}) in effect: scheduler "
+          f"{tc.scheduler_name} ({keys or 'no kvtier.scheduler keys: the defaults'}), host tier "
+          f"{tc.host_policy} (cache_policy {tc.cache_policy or 'unset: LMCache default LRU'}), "
+          f"{tc.host_bytes / (1 << 30):g} GiB (max_local_cpu_size)")
+    modelled = [f"kvtier.scheduler.{k}" for k in SCHEDULER_KEYS if k not in UNMODELLED_SCHEDULER_KEYS]
+    modelled += ["cache_policy", "max_local_cpu_size"] + (["kvtier.eviction_policy"] if tc.ssd_policy == "lru" else [])
+    ignored = unmodelled(tc, modelled)
+    if ignored:
+        logger.warning("kvtier simulate: %s sets keys the simulator does not model, ignored: %s (the simulated GPU, "
+                       "SSD tier (LRU), block size and costs are --profile's and the trace's, and its load plan knows "
+                       "those costs exactly; a shared tier is --remote*'s; transport keys have no counterpart)",
+                       path, ", ".join(ignored))
+    return _Setup((tc.scheduler_name,), tc.host_policy, tc.scheduler, tc.host_bytes)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `kvtier simulate`; 1 when some run did not complete every request."""
+    setup = _setup(args)
+    names = setup.schedulers
     reqs = load_trace(args.trace, args.limit, args.start_s, args.end_s)
     if not reqs:
         raise SystemExit(f"kvtier simulate: no requests in {args.trace}")
     base = SimConfig(
         profile=args.profile,
-        eviction=args.eviction,
-        policy=policy_config(args),
-        host_bytes=int(args.host_gb * 1e9) if args.host_gb is not None else None,
+        eviction=setup.eviction,
+        policy=setup.policy,
+        host_bytes=setup.host_bytes,
         ssd_read_share=args.ssd_read_share,
         ssd_write_buffer_bytes=int(args.ssd_write_buffer_gb * (1 << 30)),
         progress=not args.no_progress,
@@ -120,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     scale = args.time_scale if args.time_scale is not None else auto_scale
     load_factor = work / (span * scale)
     print(f"trace {args.trace}: {len(reqs)} requests over {span:.0f} s; profile {args.profile}, "
-          f"eviction {args.eviction}")
+          f"eviction {setup.eviction}")
     print(f"time scale {scale:.3f} ({'given' if args.time_scale is not None else 'auto'}): "
           f"load factor {load_factor:.3f} (FCFS GPU work {work:.0f} s / scaled span {span * scale:.0f} s)"
           f"  [calibration {time.perf_counter() - t0:.1f} s]")
