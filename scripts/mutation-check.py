@@ -320,6 +320,41 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         'if not n:',
         'tests/test_ssd_reliability.py::test_an_episode_ends_only_after_it_settled',
     ),
+    (
+        'adaptive: never changes its leader',
+        'storage_backends/eviction/adaptive.py',
+        '            if margin > best_margin:',
+        '            if margin > best_margin and False:',
+        'tests/test_eviction_adaptive.py::test_follows_the_better_expert_and_switches_when_the_traffic_changes',
+    ),
+    (
+        'adaptive: a lead without the paired test',
+        'storage_backends/eviction/adaptive.py',
+        'margin = self.diff[i][lead] / g - z * math.sqrt(self.sq[i][lead] / g)',
+        'margin = self.diff[i][lead] / g',
+        'tests/test_eviction_adaptive.py::test_a_lead_made_of_noise_does_not_switch',
+    ),
+    (
+        'adaptive: residents the leader dropped are not evicted first',
+        'storage_backends/eviction/adaptive.py',
+        'for key in self._first(self._doomed, free, need):',
+        'for key in self._first(OrderedDict(), free, need):',
+        'tests/test_eviction_adaptive.py::test_the_session_expert_leads_where_sessions_carry_the_signal',
+    ),
+    (
+        "adaptive: the leader's own victims skipped",
+        'storage_backends/eviction/adaptive.py',
+        'for key in self.shadows[self.leader].policy.victims(need - freed, free):',
+        'for key in ():',
+        'tests/test_eviction_adaptive.py::test_one_expert_is_that_expert',
+    ),
+    (
+        'adaptive: pinned residents evicted',
+        'storage_backends/eviction/adaptive.py',
+        'return k in self._resident and k not in taken and evictable(k)',
+        'return k in self._resident and k not in taken',
+        'tests/test_eviction_adaptive.py::test_victims_skip_pins_and_free_enough_bytes_when_collected_first',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu")

@@ -169,7 +169,7 @@ def test_registry():
     for n in ("lru", "fifo", "lfu", "arc", "s3fifo", "belady", "answer-length"):
         assert n in POLICY_REGISTRY and make_policy(n, production=False).name == n
     assert "belady" not in production_policy_names()
-    assert "answer-length" in production_policy_names()
+    assert "answer-length" in production_policy_names() and "adaptive" in production_policy_names()
     with pytest.raises(ValueError):
         make_policy("belady")
     with pytest.raises(ValueError):
@@ -182,7 +182,7 @@ def _fresh(name, keys):
     return make_policy(name, production=False)
 
 
-ALL = ["lru", "fifo", "lfu", "arc", "s3fifo", "answer-length", "belady"]
+ALL = ["lru", "fifo", "lfu", "arc", "s3fifo", "answer-length", "adaptive", "belady"]
 
 
 @pytest.mark.parametrize("name", ALL)
