@@ -339,7 +339,7 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         'storage_backends/eviction/adaptive.py',
         'for key in self._first(self._doomed, free, need):',
         'for key in self._first(OrderedDict(), free, need):',
-        'tests/test_eviction_adaptive.py::test_the_session_expert_leads_where_sessions_carry_the_signal',
+        'tests/test_eviction_adaptive.py::test_after_a_switch_the_old_leaders_residents_go_first',
     ),
     (
         "adaptive: the leader's own victims skipped",

@@ -2,7 +2,8 @@
 
 Checked here: with one expert it IS that expert (the same hit on every access); it follows the better expert
 and switches when the traffic changes; a lead made of noise does not make it switch; victims respect pins and sizes
-and may be collected before removal; the shadows stay within the capacity; bad settings are refused."""
+and may be collected before removal; after a switch the old leader's residents go first; the shadows stay within the
+capacity; bad settings are refused."""
 
 from __future__ import annotations
 
@@ -194,3 +195,28 @@ def test_shadows_stay_within_the_capacity():
 def test_bad_settings_are_refused(kw):
     with pytest.raises(ValueError):
         make_policy("adaptive", **kw)
+
+
+def sliding_window(n: int, seed: int, t0: float, first_id: int) -> list[TraceRequest]:
+    """One-chunk requests over a window of 50 keys that slides by one key every 10 requests: recency is all there
+    is, so LRU keeps the window while LFU keeps whatever was counted most before."""
+    rng = random.Random(seed)
+    return [_req(i, t0 + 0.01 * i, (first_id + i // 10 + rng.randrange(50),)) for i in range(n)]
+
+
+def test_after_a_switch_the_old_leaders_residents_go_first():
+    """LFU leads on a hot set (its counts keep it through the scans); then the traffic slides and LRU takes the lead.
+    The tier still holds the hot set, which LRU's shadow dropped long ago: those residents must be the first victims,
+    else they sit in the tier for good (LRU's own order never names them) and shrink it for the new leader."""
+    phase1 = hot_set_and_scans(6000, seed=4)
+    phase2 = sliding_window(6000, seed=5, t0=100.0, first_id=10**7)
+    reqs = phase1 + [_req(len(phase1) + r.index, r.timestamp, r.hash_ids) for r in phase2]
+    cap, n1 = 100, len(phase1)
+    lru, _ = replay(reqs, "lru", cap)
+    lfu, _ = replay(reqs, "lfu", cap)
+    ada, pol = replay(reqs, "adaptive", cap, experts=("lfu", "lru"), min_half_life=500)
+    assert rate(lfu, 2000, n1) > rate(lru, 2000, n1) + 0.05
+    assert rate(lru, n1 + 2000) > rate(lfu, n1 + 2000) + 0.2
+    assert rate(ada, 2000, n1) >= rate(lfu, 2000, n1) - 0.01
+    assert rate(ada, n1 + 2000) >= rate(lru, n1 + 2000) - 0.01
+    assert pol.config.experts[pol.leader] == "lru" and pol.switches >= 1
