@@ -317,7 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default=None,
-        help="comma list of policies (lru, fifo, lfu, arc, s3fifo, answer-length, belady; and vLLM's own "
+        help="comma list of policies (lru, fifo, lfu, arc, s3fifo, answer-length, adaptive, belady; and vLLM's own "
         "CPU-offload manager where vLLM can be imported: vllm-lru, vllm-arc, vllm-lru-t2, vllm-arc-t2); default: "
         f"{DEFAULT_POLICIES}, plus vllm-lru,vllm-arc when vLLM ships its CPU-offload manager here",
     )
@@ -345,7 +345,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-DEFAULT_POLICIES = "lru,arc,s3fifo,answer-length,belady"
+DEFAULT_POLICIES = "lru,arc,s3fifo,answer-length,adaptive,belady"
 
 
 def _file_policies(args: argparse.Namespace) -> tuple[str, str]:

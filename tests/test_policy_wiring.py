@@ -27,7 +27,7 @@ def touch(t, key):
 
 
 @pytest.mark.parametrize("policy, survivors", [("lru", ["a", "c", "d"]), ("fifo", ["b", "c", "d"]),
-                                               ("answer-length", ["a", "c", "d"])])
+                                               ("answer-length", ["a", "c", "d"]), ("adaptive", ["a", "c", "d"])])
 def test_ssd_tier_evicts_through_its_policy(tier_config, policy, survivors):
     t = SSDTier(tier_config(ssd_capacity_gb=3 * (HEADER_SIZE + CHUNK) / (1 << 30), eviction_policy=policy), CHUNK)
     try:
@@ -62,7 +62,8 @@ def test_session_signals_reach_the_ssd_policy_in_its_key_space(tier_config):
 
 
 @pytest.mark.parametrize("policy, present", [("fifo", [False, True, True, True]), ("lru", [True, False, True, True]),
-                                             ("answer_length", [True, False, True, True])])
+                                             ("answer_length", [True, False, True, True]),
+                                             ("adaptive", [True, False, True, True])])
 def test_lmcache_host_tier_uses_a_kvtier_policy(tmp_path, policy, present):
     from lmcache.v1.storage_backend.cache_policy import POLICY_MAPPING
 
