@@ -12,12 +12,13 @@ a request's chunks hit or miss together (counting chunks as independent made noi
 flapped between experts on the Poisson trace).
 
 The tier's own contents follow the leader's shadow: a victim is first a resident key that the leader's shadow no
-longer holds (oldest such key first), else the leader's own next victim among the residents, else the least
-recently used resident. When the leader stays, the tier converges to the leader's shadow within one eviction per
-divergent key and then evicts what the leader evicts; after a switch it converges to the new leader as misses
-arrive. So the tier's hit rate tracks the best expert's on the recent
-window wherever the experts' advantages last longer than the half-life, and no single expert's failure mode (a
-trace whose session signals carry nothing, a size where recency wins) becomes the tier's.
+longer holds (oldest such key first); when there is none, the leader's shadow makes room for the incoming entry
+right then (as the expert alone does before an insert) and its victims go; the least recently used resident is the
+last resort (pinned keys). When the leader stays, the tier holds exactly what the leader's shadow holds (with one
+expert the tier IS that expert, access for access); after a switch the old leader's residents go first, so it
+converges to the new leader as misses arrive. So the tier's hit rate tracks the best expert's wherever the
+experts' advantages last longer than the half-life, and no single expert's failure mode (a trace whose session
+signals carry nothing, a size where recency wins) becomes the tier's.
 
 Cost: one access per expert per tier access (the answer-length expert dominates; the classic ones are dict
 operations), plus the tier's own ordered dict. Memory: each shadow holds at most the capacity's keys; the
@@ -64,24 +65,27 @@ class _Shadow:
         if key in self.resident:
             self.policy.on_access(key)
             return True
-        if size > capacity:
-            return False
-        need = self.used + size - capacity
-        if need > 0:
-            for v in self.policy.victims(need, _always):
-                vsize = self.resident.pop(v)
-                self.policy.on_remove(v)
-                self.used -= vsize
-                need -= vsize
-                if dropped is not None:
-                    dropped.append(v)
-                if need <= 0:
-                    break
-            if need > 0:
-                return False  # the expert found no room: the key stays out of its cache
+        if size > capacity or not self.make_room(size, capacity, dropped):
+            return False  # the expert found no room: the key stays out of its cache
         self.resident[key] = size
         self.used += size
         self.policy.on_insert(key, size)
+        return False
+
+    def make_room(self, size: int, capacity: int, dropped: list[Key] | None) -> bool:
+        """Evict by the expert until `size` more fits; False if it cannot."""
+        need = self.used + size - capacity
+        if need <= 0:
+            return True
+        for v in self.policy.victims(need, _always):
+            vsize = self.resident.pop(v)
+            self.policy.on_remove(v)
+            self.used -= vsize
+            need -= vsize
+            if dropped is not None:
+                dropped.append(v)
+            if need <= 0:
+                return True
         return False
 
 
@@ -156,10 +160,11 @@ class AdaptivePolicy(EvictionPolicy):
         cap = self._capacity()
         lead = self.leader
         dropped: list[Key] = []
-        hl = self._half_life()
-        if hl != self._half:
-            self._half = hl
-            self._step = 2.0 ** (1.0 / hl)
+        if not self._accesses & 255:  # the mean entry size moves slowly: recompute now and then
+            hl = self._half_life()
+            if hl != self._half:
+                self._half = hl
+                self._step = 2.0 ** (1.0 / hl)
         self._gain *= self._step
         if self._gain > 1e100:  # renormalise before floats overflow
             self._rescale()
@@ -245,45 +250,39 @@ class AdaptivePolicy(EvictionPolicy):
         self._doomed.pop(key, None)
 
     def victims(self, need: int, evictable: Callable[[Key], bool]) -> Iterator[Key]:
-        # First the residents the leader's shadow dropped (oldest first), then the leader's own next victims among
-        # the residents (its shadow has not heard the new key yet), then the least recently used resident.
+        # First the residents the leader's shadow dropped (oldest first). When there are none, the leader's shadow
+        # makes room for the incoming entry now, as the expert alone would before inserting it (its victims become
+        # the dropped residents), instead of when it hears the access. Last, the least recently used resident.
+        # The tier's dicts change between yields (the caller removes each victim): they are scanned afresh each time.
         freed = 0
         taken: set[Key] = set()
+        made_room = False
 
         def free(k: Key) -> bool:
             return k in self._resident and k not in taken and evictable(k)
 
-        # The tier's dicts change between yields (the caller removes each victim): scan them afresh each time.
-        for key in self._first(self._doomed, free, need):
-            taken.add(key)
-            freed += self._resident[key]
-            yield key
-            if freed >= need:
-                return
-        for key in self.shadows[self.leader].policy.victims(need - freed, free):
-            if not free(key):
+        while freed < need:
+            key = next((k for k in self._doomed if free(k)), None)
+            if key is None and not made_room:
+                made_room = True
+                self._leader_makes_room(need)
                 continue
-            taken.add(key)
-            freed += self._resident[key]
-            yield key
-            if freed >= need:
-                return
-        for key in self._first(self._resident, free, need - freed):
-            taken.add(key)
-            freed += self._resident[key]
-            yield key
-            if freed >= need:
-                return
-
-    @staticmethod
-    def _first(order: OrderedDict, free: Callable[[Key], bool], need: int) -> Iterator[Key]:
-        """Keys of `order` that `free` allows, front first, rescanning after each (the dict may change between)."""
-        while need > 0:
-            key = next((k for k in order if free(k)), None)
             if key is None:
-                return
+                key = next((k for k in self._resident if free(k)), None)
+                if key is None:
+                    return
+            taken.add(key)
+            freed += self._resident[key]
             yield key
-            need -= 1
+
+    def _leader_makes_room(self, need: int) -> None:
+        """The leader's shadow evicts for the entry the tier is making room for; its victims become doomed."""
+        size = need + self.capacity - self._used_bytes if self.capacity is not None else need  # the incoming entry
+        dropped: list[Key] = []
+        self.shadows[self.leader].make_room(max(size, 1), self._capacity(), dropped)
+        for v in dropped:
+            if v in self._resident:
+                self._doomed[v] = None
 
     def __len__(self) -> int:
         return len(self._resident)
