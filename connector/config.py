@@ -73,6 +73,11 @@ class ConnectorOptions:
     #: instead of returning at once: the engine does not spin past a transfer thread that needs the GIL. Bounds
     #: the delay such a step adds to a request arriving meanwhile. 0: no wait (the step returns at once)
     idle_wait_ms: float = 20.0
+    #: chunks of the worker's staging area for SSD reads at load time: the part of a request's SSD-resident prefix
+    #: that its prefetch could not bring into the host tier (no free room) streams through it, this many chunks
+    #: at a time, so a request's SSD hits are never capped by the host tier's free room. 0: no stream (SSD hits
+    #: then reach a request only through the host tier)
+    ssd_stream_chunks: int = 4
     #: testing only: asynchronous loads of the requests `debug_hold_request_prefix` names sleep this long on the
     #: transfer thread (GIL released, outside the engine lock) before they run: a load in flight for a known time
     debug_load_delay_s: float = 0.0
@@ -105,7 +110,8 @@ class ConnectorOptions:
                                   f" 0, got {v!r}")
         if not isinstance(out.async_saves, bool):
             raise ConfigError(f"{CONNECTOR_KEY}.async_saves must be true or false, got {out.async_saves!r}")
-        for name in ("sync_load_budget_tokens", "debug_load_hold_steps", "debug_save_hold_steps"):
+        for name in ("sync_load_budget_tokens", "debug_load_hold_steps", "debug_save_hold_steps",
+                     "ssd_stream_chunks"):
             v = getattr(out, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"{CONNECTOR_KEY}.{name} must be an integer >= 0, got {v!r}" + (

@@ -20,7 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Load `token_ids[gpu_cached:load_end]`'s KV (host tier) into the request's blocks before its forward pass."""
+    """Load `token_ids[gpu_cached:load_end]`'s KV (host tier, then the SSD stream from `stream_from`) into the
+    request's blocks before its forward pass."""
 
     req_id: str
     token_ids: list[int]  # the first `load_end` tokens of the request (keys are prefix hashes over them)
@@ -29,6 +30,9 @@ class LoadSpec:
     load_end: int  # chunk-aligned end of the hit
     #: loaded off the step: the request waits in WAITING_FOR_REMOTE_KVS until the worker reports it finished
     is_async: bool = False
+    #: chunk-aligned token where the load stops reading the host tier and streams the rest from the SSD tier
+    #: through the worker's bounded staging area (None: the whole load is in the host tier)
+    stream_from: int | None = None
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ LOAD_SECONDS = histogram("kvtier_connector_load_seconds", "Host -> KV cache load
 SAVE_SECONDS = histogram("kvtier_connector_save_seconds", "KV cache -> host save of one step", buckets=_LAT)
 LOAD_BYTES = counter("kvtier_connector_load_bytes_total", "Bytes loaded into vLLM's KV cache")
 SAVE_BYTES = counter("kvtier_connector_save_bytes_total", "Bytes saved from vLLM's KV cache")
+STREAMED_TOKENS = counter("kvtier_connector_ssd_streamed_tokens_total",
+                          "Tokens a load streamed from the SSD tier through the staging area (no host room for them)")
 LOAD_ERROR_BLOCKS = counter("kvtier_connector_load_error_blocks_total",
                             "KV blocks that failed to load and were handed back to vLLM for recomputation")
 LOADS = counter("kvtier_connector_loads_total",
@@ -79,7 +81,7 @@ FEEDBACK = counter("kvtier_connector_answer_feedback_total",
 
 _SUM_KEYS = ("loads", "loaded_tokens", "load_seconds", "saves", "saved_tokens", "save_seconds", "load_error_blocks",
              "prefetches", "prefetched_tokens", "prefetch_seconds", "feedback", "async_loads", "preemption_flushes",
-             "prefetch_shared_chunks", "idle_waits", "idle_wait_seconds")
+             "prefetch_shared_chunks", "idle_waits", "idle_wait_seconds", "streamed_tokens", "stream_windows")
 
 
 @dataclass
@@ -117,6 +119,7 @@ class KVTierConnectorStats(KVConnectorStats):
             "kvtier_loads": int(d["loads"]), "kvtier_loaded_tokens": int(d["loaded_tokens"]),
             "kvtier_saved_tokens": int(d["saved_tokens"]), "kvtier_prefetched_tokens": int(d["prefetched_tokens"]),
             "kvtier_load_error_blocks": int(d["load_error_blocks"]), "kvtier_async_loads": int(d["async_loads"]),
+            "kvtier_streamed_tokens": int(d["streamed_tokens"]),
         }
         if d["loads"]:
             out["kvtier_avg_load_ms"] = round(1000 * d["load_seconds"] / d["loads"], 3)

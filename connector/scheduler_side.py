@@ -9,7 +9,9 @@
   without GPU blocks; others run), then the host-resident prefix (chunk-aligned) beyond vLLM's own cache hit:
   `(n, False)` (loaded inside the step, before its forward pass) while the step's `sync_load_budget_tokens` has
   room for it, else `(n, True)` (the request waits in WAITING_FOR_REMOTE_KVS holding its blocks while the worker
-  loads it off the step).
+  loads it off the step). SSD chunks the prefetch found no host room for extend the match too: the load streams
+  them from the SSD tier (`LoadSpec.stream_from`, always off the step), so the host tier's free room never caps
+  a request's SSD hits.
 - Load or recompute: with kvtier's dual-queue scheduler the hints carry the policy planner's `LoadPlan`
   (`derive_tier_hint(..., planner=policy.planner)`; re-planned when the request's residency or prefetch phase
   changes, not every step). An SSD part the plan recomputes is not prefetched and only the host prefix is
@@ -202,6 +204,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ prefetch
     def _enqueue(self, st: RequestState) -> None:
         st.prefetch = "queued"
+        st.prefetch_from = st.lookup.host_end
         st.prefetch_ssd_tokens = st.lookup.ssd_tokens
         st.prefetch_remote_tokens = st.lookup.remote_tokens
         self.prefetches.push(st.rid, st.arrival, self._publish(st))
@@ -292,23 +295,39 @@ class SchedulerSide:
                 self.counters["plan_recompute_ssd"] += 1
         st.saved_upto = max(st.saved_upto, res.hit_end // self.chunk * self.chunk)
         plan = hint.plan
-        hit = 0 if plan is not None and plan.host is LoadAction.RECOMPUTE else res.host_end
-        ext = min(hit, request.num_tokens - 1) - num_computed_tokens
+        load_host = plan is None or plan.host is not LoadAction.RECOMPUTE
+        hit = res.host_end if load_host else 0
+        stream_from = None
+        if load_host and self._streams(st, res):
+            # what the prefetch could not bring into host memory comes straight from the SSD tier with the load
+            stream_from, hit = res.host_end, res.hit_end - res.remote_tokens
+        end = min(hit, request.num_tokens - 1)
+        ext = end - num_computed_tokens
         if ext <= 0:
             if res.host_end:
                 self._release(rid)
             st.pending_load = None
             return 0, False
-        st.pending_load = (num_computed_tokens, hit)
-        disk = min(ext, st.prefetch_ssd_tokens) if st.prefetch == "done" else 0
-        remote = min(ext - disk, st.prefetch_remote_tokens) if st.prefetch == "done" else 0
+        st.pending_load = (num_computed_tokens, hit, stream_from)
+        disk = remote = 0
+        if st.prefetch in ("done", "failed"):  # what lies past the host prefix the prefetch started from
+            ssd_end = st.prefetch_from + st.prefetch_ssd_tokens
+            disk = _overlap(num_computed_tokens, end, st.prefetch_from, ssd_end)
+            remote = _overlap(num_computed_tokens, end, ssd_end, ssd_end + st.prefetch_remote_tokens)
         st.sources = {"host": ext - disk - remote, "disk": disk, "remote": remote}
-        # Loads that fit in the step's synchronous budget run inside the step; the others off it.
-        sync = ext <= self.cfg.options.sync_load_budget_tokens - self._sync_budget_used
+        # Loads that fit in the step's synchronous budget run inside the step; the others (and every load that
+        # reads the SSD tier) off it.
+        sync = stream_from is None and ext <= self.cfg.options.sync_load_budget_tokens - self._sync_budget_used
         if sync:
             self._sync_budget_used += ext
         st.async_answer = not sync
         return ext, not sync
+
+    def _streams(self, st: RequestState, res: LookupResult) -> bool:
+        """Whether a load extends past the host-resident prefix through the SSD stream: its prefetch ran (so the
+        plan wanted the SSD part) and left SSD-only chunks behind (the host tier had no room for them)."""
+        return (self.cfg.options.ssd_stream_chunks > 0 and st.prefetch in ("done", "failed")
+                and not st.recompute_ssd and res.ssd_tokens > 0 and res.hit_end - res.remote_tokens > res.host_end)
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
         """The host/SSD split of an admission's external hits, under vLLM's labels (vLLM >= 0.32 asks; 0.31
@@ -332,14 +351,16 @@ class SchedulerSide:
             if num_external_tokens == 0:  # resumed after its asynchronous load: admitted (and counted) already
                 return
         if num_external_tokens > 0 and st.pending_load is not None:
-            gpu_cached, load_end = st.pending_load
+            gpu_cached, load_end, stream_from = st.pending_load
             block_ids = list(blocks.get_block_ids()[0])
             # vLLM keeps an asynchronous answer asynchronous unless it drops the external hit altogether
             is_async = st.async_answer
             if len(block_ids) * self.block_size < load_end:  # vLLM trimmed the hit: load what it expects
                 load_end = gpu_cached + num_external_tokens
+            if stream_from is not None and stream_from >= load_end:
+                stream_from = None
             spec = LoadSpec(request.request_id, list(request.all_token_ids)[:load_end], block_ids, gpu_cached,
-                            load_end, is_async=is_async)
+                            load_end, is_async=is_async, stream_from=stream_from)
             if is_async:  # vLLM parks the request (WAITING_FOR_REMOTE_KVS): its blocks are final now
                 self._async_loads.append(spec)
                 st.loading = st.reallocating = True
@@ -539,3 +560,8 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    """Tokens the ranges [a0, a1) and [b0, b1) share."""
+    return max(0, min(a1, b1) - max(a0, b0))

@@ -27,11 +27,14 @@ class RequestState:
     lookup: LookupResult = field(default_factory=LookupResult)
     gpu_tokens: int = 0
     prefetch: str = "none"  # none | queued | inflight | done | failed
+    prefetch_from: int = 0  # end of the host-resident prefix when the prefetch was queued
     prefetch_ssd_tokens: int = 0  # tokens that were only on SSD when the prefetch was queued
     prefetch_remote_tokens: int = 0  # tokens that were only in the shared tier then
     share: bool = True  # its saved chunks go to the shared tier too (`kvtier.shared.writes`)
     partial: dict[int, PrefetchResult] = field(default_factory=dict)  # rank -> its prefetch's outcome
-    pending_load: tuple[int, int] | None = None  # (gpu_cached, load_end) between lookup and allocation
+    #: (gpu_cached, load_end, stream_from) between lookup and allocation; stream_from: where the SSD stream takes
+    #: over from the host tier (None: the whole load is host-resident)
+    pending_load: tuple[int, int, int | None] | None = None
     load_spec: LoadSpec | None = None
     sources: dict[str, int] = field(default_factory=dict)
     block_ids: list[int] = field(default_factory=list)

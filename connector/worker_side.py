@@ -9,7 +9,9 @@
   flushes and counters. The SSD tier is reached through one narrow handle (`SSDTierHandle`), built at start-up.
 - `start_load_kv` retrieves from the host tier through the page-first connector: small loads inside the step,
   before the forward pass; larger ones (`LoadSpec.is_async`) on the transfer thread (`connector/transfers.py`)
-  while the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, reported through `get_finished`. Any token that
+  while the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, reported through `get_finished`. The part of a
+  load past `LoadSpec.stream_from` (SSD chunks its prefetch found no host room for) streams from the SSD tier
+  through a bounded staging area (`connector/ssd_stream.py`), always off the step. Any token that
   does not arrive marks its block (and every later one of that load) as a load error for vLLM to recompute, for
   an asynchronous load no later than the step that reports it finished: never wrong KV.
 - `wait_for_save` queues the step's newly completed chunks on the transfer thread (host tier, write-through to SSD
@@ -60,6 +62,7 @@ from kvtier.connector.rpc import (
     StatsReply,
     endpoint,
 )
+from kvtier.connector.ssd_stream import SSDStream
 from kvtier.connector.transfers import StreamFence, TransferJob, TransferQueue
 from kvtier.connector.worker_storage import SSDTierHandle, WorkerStorage
 from kvtier.storage_backends.config import ConfigError
@@ -116,6 +119,8 @@ class WorkerSide:
         self.shared: SharedSide | None = None  # when the LMCache config names a shared store
         #: lookups, pins and prefetches (built with the engine)
         self.storage: WorkerStorage | None = None
+        #: the bounded staging area a load's SSD-resident rest streams through (None: `ssd_stream_chunks` 0)
+        self.stream: SSDStream | None = None
         self.kv_list: list[torch.Tensor] = []
         self.server: RPCServer | None = None
         self.stats = M.KVTierConnectorStats()
@@ -217,6 +222,9 @@ class WorkerSide:
             self.close()
             raise ConfigError("LMCache started without its host tier (LocalCPUBackend); set local_cpu: true")
         self.transfers = TransferQueue(self._engine_lock, self.kv_list[0].device, on_done=self._notify_progress)
+        if self.cfg.options.ssd_stream_chunks > 0:
+            self.stream = SSDStream(self.ssd, self.host, gpu_conn, self.cfg.options.ssd_stream_chunks,
+                                    pinned=self.kv_list[0].device.type == "cuda")
         if self.cfg.shared is not None:
             try:
                 self.shared = self._attach_shared(md, heads, head_dim)
@@ -363,23 +371,44 @@ class WorkerSide:
             self._finish_load(spec, bad_from, time.monotonic() - t0, "sync")
 
     def _load(self, spec: LoadSpec) -> int | None:
-        """Retrieve `spec`'s tokens into its blocks; returns the first token that did not arrive (None: all did)."""
-        n = spec.load_end
+        """Retrieve `spec`'s tokens into its blocks (host tier, then the SSD stream from `spec.stream_from`);
+        returns the first token that did not arrive (None: all did)."""
+        n, cached = spec.load_end, spec.gpu_cached
         try:
-            tokens = torch.tensor(spec.token_ids[:n], dtype=torch.long)
-            mask = torch.ones(n, dtype=torch.bool)
-            skip = spec.gpu_cached // self.cfg.chunk_size * self.cfg.chunk_size
-            mask[:skip] = False
-            ret = self.engine.retrieve(tokens, mask, kvcaches=self.kv_list,
-                                       slot_mapping=slot_mapping(spec.block_ids, self.block_size, n),
-                                       vllm_cached_tokens=spec.gpu_cached, req_id=spec.req_id)
-            if self.storage is not None:
-                self.storage.after_retrieve(spec.req_id, spec.token_ids[:n], ret, skip)
-            got = ret[spec.gpu_cached:n]
-            return None if bool(got.all()) else spec.gpu_cached + int((~got).nonzero()[0])
+            skip = cached // self.cfg.chunk_size * self.cfg.chunk_size
+            host_end = n if spec.stream_from is None or self.stream is None else max(spec.stream_from, skip)
+            slots = slot_mapping(spec.block_ids, self.block_size, n)
+            if host_end > cached:
+                tokens = torch.tensor(spec.token_ids[:host_end], dtype=torch.long)
+                mask = torch.ones(host_end, dtype=torch.bool)
+                mask[:skip] = False
+                ret = self.engine.retrieve(tokens, mask, kvcaches=self.kv_list, slot_mapping=slots[:host_end],
+                                           vllm_cached_tokens=cached, req_id=spec.req_id)
+                if self.storage is not None:
+                    self.storage.after_retrieve(spec.req_id, spec.token_ids[:host_end], ret, skip)
+                got = ret[cached:host_end]
+                if not bool(got.all()):
+                    return cached + int((~got).nonzero()[0])
+            if host_end >= n:
+                return None
+            return self._stream(spec, host_end, slots)
         except Exception:
             logger.exception("kvtier: load for %s failed; its blocks will be recomputed", spec.req_id)
-            return spec.gpu_cached
+            return cached
+
+    def _stream(self, spec: LoadSpec, start: int, slots: torch.Tensor) -> int | None:
+        """The SSD-resident rest of a load, from `start` (chunk-aligned), through the bounded staging area."""
+        assert self.stream is not None
+        chunks = [c for c in self._chunks(spec.token_ids[:spec.load_end]) if c[0] >= start]
+        res = self.stream.load(chunks, kvcaches=self.kv_list, slot_mapping=slots, vllm_cached_tokens=spec.gpu_cached)
+        streamed = (res.bad_from if res.bad_from is not None else spec.load_end) - start
+        M.STREAMED_TOKENS.inc(max(streamed, 0))
+        self._stat(streamed_tokens=max(streamed, 0), stream_windows=res.windows)
+        if res.bad_from is None:
+            return None
+        logger.info("kvtier: %s: chunk at token %d was in no local tier when its load streamed it", spec.req_id,
+                    res.bad_from)
+        return max(res.bad_from, spec.gpu_cached)
 
     def _finish_load(self, spec: LoadSpec, bad_from: int | None, seconds: float, mode: str) -> None:
         """On the engine thread: report a load's failed blocks (before vLLM reads this step's errors), count it,
@@ -521,12 +550,14 @@ class WorkerSide:
     def _store(self, spec: Any, n: int) -> int:
         """Store `spec`'s chunks; returns the end of what LMCache stored. LMCache stores chunks in order and
         skips the rest at the first one its host pool has no room for (nothing evictable): queued SSD writes
-        hold part of that pool, so the store waits for them once and retries from that chunk; what still does
-        not fit is counted (`kvtier_host_pool_lost_chunks_total`)."""
+        hold part of that pool, so the store waits for them and retries from that chunk, as long as each retry
+        stores something (a save larger than the pool's free room goes through it a part at a time); what still
+        does not fit (the pool held by pins) is counted (`kvtier_host_pool_lost_chunks_total`)."""
         tokens = torch.tensor(spec.token_ids, dtype=torch.long)
         slots = slot_mapping(spec.block_ids, self.block_size, n)
         watch, skip = self.ssd.pool_watch, spec.skip
-        for attempt in range(2):
+        retried = False
+        while True:
             mask = torch.ones(n, dtype=torch.bool)
             mask[:skip] = False
             with watch.scope("store") as sc:
@@ -534,8 +565,10 @@ class WorkerSide:
             skip += sc.ok * self.cfg.chunk_size
             if not sc.failed or skip >= n:
                 return n
-            if attempt == 0:
-                self.ssd.flush(self.STORE_RETRY_WAIT_S)
+            if retried and not sc.ok:  # waiting for the SSD writes freed nothing: the pool is held otherwise
+                break
+            retried = True
+            self.ssd.flush(self.STORE_RETRY_WAIT_S)
         watch.report_lost("store", -(-(n - skip) // self.cfg.chunk_size))
         return skip
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvtier.connector.shared_side import SharedSide
     from kvtier.storage_backends.lmcache.backend import KVTierBackend
     from kvtier.storage_backends.lmcache.host_pool import HostPoolWatch
-    from kvtier.storage_backends.ssd.tier import TierStats
+    from kvtier.storage_backends.ssd.tier import ChunkMeta, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,23 @@ class SSDTierHandle:
         """Read chunks into LMCache host objects; a chunk that is missing, or finds the host pool full, is None
         (never waits for room: a prefetch must not hold the pool it is filling)."""
         return self._plugin.read(keys, wait_for_memory=False)
+
+    def read_into(self, keys: Sequence[CacheEngineKey], dest: Callable[[int, ChunkMeta], memoryview | None]
+                  ) -> list[bool]:
+        """Read chunks into buffers the caller owns: `dest(i, meta)` is the i-th chunk's destination (None: not
+        read). Verified as every read of the tier is (a torn, flipped or foreign slot is a miss); True where the
+        chunk arrived whole."""
+        index = {k.to_string(): i for i, k in enumerate(keys)}
+        if len(index) != len(keys):
+            raise ValueError("read_into: the same chunk twice in one read")
+
+        def alloc(key: str, meta: ChunkMeta) -> tuple[memoryview, int] | None:
+            i = index[key]
+            buf = dest(i, meta)
+            return None if buf is None else (buf, i)
+
+        got = self._tier.read_batch(list(index), alloc, lambda _i: None)
+        return [h is not None for h in got]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queued SSD writes are committed (False: not within `timeout` seconds)."""

@@ -351,3 +351,73 @@ def test_idle_engine_waits_for_the_load_instead_of_spinning(idle_runs, name):
     assert m.get("kvtier_connector_idle_wait_seconds_count", 0) >= 2, m
     assert m.get("kvtier_connector_load_error_blocks_total", 0) == 0
     _compare(idle_runs["baseline"], got)
+
+
+#: histories far larger than the host tier: turn 2 finds 9 chunks of history, turn 3 14 (host tier: 4 chunks)
+LONG_TURNS = (300, 120, 100)
+LONG_SCHEDULE = [[0], [1], [0], [1], [0], [1]]
+
+
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory):
+    """Two conversations whose histories outgrow a 4-chunk host tier: without a connector; with kvtier and a
+    4-chunk host tier; with a 64-chunk host tier (everything fits); with 4 chunks and the SSD stream off (the
+    host tier's room caps the SSD hits)."""
+    work = tmp_path_factory.mktemp("long-history")
+    rng = random.Random(2)
+    convs = [[[rng.randrange(1, 1000) for _ in range(n)] for n in LONG_TURNS] for _ in range(2)]
+    base = {"model": Path(tiny_llama(work / "model")), "conversations": convs, "schedule": LONG_SCHEDULE}
+    out = {"convs": convs, "baseline": run_engine(work, "baseline", **base)}
+    for name, host_chunks, stream in (("small", 4, 4), ("large", 64, 4), ("no_stream", 4, 0)):
+        out[name] = run_engine(work, name, **base, kv_transfer_config=kv_config(
+            lmcache_yaml(work, work / f"ssd-{name}", host_chunks=host_chunks), ssd_stream_chunks=stream))
+    return out
+
+
+def _history_chunks(convs: list, max_tokens: int = 16) -> list[int]:
+    """Per admission of LONG_SCHEDULE: the tokens of the request's history whose KV was saved (every full chunk
+    of the previous turn's prompt and all but its last generated token)."""
+    out, prompt_len, turns = [], {}, {}
+    for batch in LONG_SCHEDULE:
+        for c in batch:
+            turn, prev = turns.get(c, 0), prompt_len.get(c)
+            out.append(0 if prev is None else (prev + max_tokens - 1) // CHUNK * CHUNK)
+            prompt_len[c] = (prev + max_tokens if prev is not None else 0) + len(convs[c][turn])
+            turns[c] = turn + 1
+    return out
+
+
+def test_ssd_hits_are_not_capped_by_the_host_tiers_room(long_runs):
+    """With a host tier of 4 chunks every later turn gets its whole saved history back (9 and 14 chunks), as
+    with a host tier that holds everything: the SSD part the host tier has no room for streams through the
+    worker's staging area. Same tokens as without a connector."""
+    want = _history_chunks(long_runs["convs"])
+    assert want == [0, 0, 288, 288, 448, 448]
+    for name in ("small", "large"):
+        run = long_runs[name]
+        _compare(long_runs["baseline"], run)
+        assert [a[1] for a in run["admitted"]] == want, (name, run["admitted"])
+        assert run["metrics"].get("kvtier_connector_load_error_blocks_total", 0) == 0
+    small = long_runs["small"]
+    m = small["metrics"]
+    disk = m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0)
+    print(f"4-chunk host tier: loaded {[a[1] for a in small['admitted']]}, from disk {disk:.0f}, streamed "
+          f"{m.get('kvtier_connector_ssd_streamed_tokens_total', 0):.0f}")
+    # at most 4 of the 9 or 14 chunks fit in the host tier: most of every later turn's history came from disk,
+    # much of it streamed
+    assert disk >= sum(want) - 4 * CHUNK * 4, m
+    assert m.get("kvtier_connector_ssd_streamed_tokens_total", 0) > 0, m
+    from kvtier.compat.vllm_hit_sources import hit_source_labels
+
+    if hit_source_labels() is not None:
+        assert small["cached_by_source"].get("disk", 0) == disk, small["cached_by_source"]
+
+
+def test_without_the_stream_the_host_tiers_room_caps_ssd_hits(long_runs):
+    """The cap the stream removes (`ssd_stream_chunks: 0`): no admission gets more than the host tier holds."""
+    run = long_runs["no_stream"]
+    _compare(long_runs["baseline"], run)
+    loaded = [a[1] for a in run["admitted"]]
+    print(f"4-chunk host tier, no stream: loaded {loaded}")
+    assert max(loaded) <= 4 * CHUNK, loaded
+    assert run["metrics"].get("kvtier_connector_ssd_streamed_tokens_total", 0) == 0

@@ -5,8 +5,9 @@ writes hold their chunks in the pool): LMCache's store then finds nothing to evi
 
 - The watch counts exactly the allocations that failed after eviction (not the ones eviction rescued), logs one
   line per episode naming `max_local_cpu_size`, and LMCache's per-attempt allocator warnings are filtered.
-- The connector's store (`WorkerSide._store`, the real method over the real engine) waits once for the queued
-  SSD writes and retries: every chunk ends up stored, nothing is counted lost; with the pool held by pins only,
+- The connector's store (`WorkerSide._store`, the real method over the real engine) waits for the queued SSD
+  writes and retries while that frees room: every chunk ends up stored, nothing is counted lost, also for a save
+  larger than the pool's free room; with the pool held by pins only,
   what still does not fit is counted in `kvtier_host_pool_lost_chunks_total`, and what the store reports as
   stored is in the host tier or on SSD.
 """
@@ -131,15 +132,33 @@ def test_short_store_waits_for_queued_writes_and_retries(engine, monkeypatch):
     assert _sample("kvtier_host_pool_lost_chunks_total", op="store") == lost
 
 
+def test_store_larger_than_the_free_room_goes_through_in_parts(engine):
+    """12 of 16 chunks pinned, a 10-chunk save: 4 fit, their SSD writes free them, 4 more, then the last 2;
+    every chunk is stored (on SSD), none is lost."""
+    from kvtier.connector.messages import SaveSpec
+
+    e, b = engine
+    _pin_chunks(e, b, 12, 0)
+    lost = _sample("kvtier_host_pool_lost_chunks_total", op="store")
+    failures = b.pool_watch.failures
+    tokens = list(range(30_000, 30_000 + 10 * CHUNK))
+    end = _worker(e, b, _kv(10, 3))(SaveSpec("r", tokens, list(range(10)), 0), len(tokens))
+    assert b.pool_watch.failures > failures, "the save did not fit at once"
+    assert end == len(tokens)
+    assert _sample("kvtier_host_pool_lost_chunks_total", op="store") == lost
+    assert b.flush(30)
+    assert all(b.tier.contains(k.to_string()) for k in _keys(e, torch.tensor(tokens)))
+
+
 def test_pins_only_pool_counts_lost_chunks(engine):
     from kvtier.connector.messages import SaveSpec
 
     e, b = engine
-    _pin_chunks(e, b, 14, 0)  # 14 of 16 pinned: waiting for SSD writes frees nothing
+    _pin_chunks(e, b, 16, 0)  # the whole pool pinned: waiting for SSD writes frees nothing
     lost = _sample("kvtier_host_pool_lost_chunks_total", op="store")
     tokens = list(range(20_000, 20_000 + 6 * CHUNK))
     end = _worker(e, b, _kv(6, 2))(SaveSpec("r", tokens, list(range(6)), 0), len(tokens))
-    assert CHUNK <= end < len(tokens)
+    assert end == 0
     assert _sample("kvtier_host_pool_lost_chunks_total", op="store") - lost == (len(tokens) - end) // CHUNK
     # what the store reports as stored is there: in the host tier, or on SSD (written through, then evicted)
     host = e.storage_manager.storage_backends["LocalCPUBackend"]

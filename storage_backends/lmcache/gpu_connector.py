@@ -124,7 +124,7 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         self._mover_key: tuple = ()
         self.store_stream: Any = None
         self.load_stream: Any = None
-        #: (storage address, bytes) -> a flat view of the KV dtype over that whole storage (`_host_region`)
+        #: (storage address, bytes) -> a flat view of the KV dtype over that whole storage (`host_region`)
         self._host_views: dict[tuple[int, int], torch.Tensor] = {}
 
     @classmethod
@@ -181,7 +181,7 @@ class PageFirstGPUConnector(GPUConnectorInterface):
                 raise PageFormatMismatch(
                     f"chunk of {tuple(obj.metadata.shape)} cannot hold {n} tokens in page-first layout"
                 )
-            chunks.append(HostChunk(host=self._host_region(obj), slots=slot_mapping[start:end]))
+            chunks.append(HostChunk(host=self.host_region(obj), slots=slot_mapping[start:end]))
         self._run(mover, chunks, to_host=True)
         for obj, start, end in zip(objs, starts, ends, strict=True):
             retag_chunk(obj, PAGE_FIRST_FMT, self.pages.chunk_shape(end - start))
@@ -198,14 +198,25 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         objs = self._flat_objs(memory_objs)  # type: ignore[arg-type]
         for obj, start, end in zip(objs, starts, ends, strict=True):
             self.check_chunk(obj, end - start)
+        self.scatter_pages([self.host_region(obj) for obj in objs], starts, ends, **kwargs)
+
+    def scatter_pages(self, hosts: Sequence[torch.Tensor], starts: Sequence[int], ends: Sequence[int],
+                      **kwargs: Any) -> None:
+        """Write page-first chunks held in plain host tensors (flat, of the KV dtype, one per token range
+        ``[start, end)``) into vLLM's blocks, in one launch per batch: what ``batched_to_gpu`` does for LMCache
+        memory objects, for buffers kvtier owns (the SSD stream's staging area). ``kwargs`` as ``batched_to_gpu``."""
+        for host, start, end in zip(hosts, starts, ends, strict=True):
+            if host.dtype != self.pages.dtype or host.dim() != 1 or host.numel() != self.pages.page_elems(end - start):
+                raise PageFormatMismatch(f"a staged region of {host.numel()} {host.dtype} cannot hold {end - start} "
+                                         f"tokens of {self.pages.dtype} in page-first layout")
         mover = self._get_mover(kwargs)
         slot_mapping = self._slot_mapping(kwargs)
         vllm_cached = int(kwargs.get("vllm_cached_tokens", 0) or 0)
         if vllm_cached > 0:  # tokens already in vLLM's cache, maybe shared: not rewritten (one copy, not per chunk)
             slot_mapping = slot_mapping.clone()
             slot_mapping[:vllm_cached] = -1
-        chunks = [HostChunk(host=self._host_region(obj), slots=slot_mapping[start:end])
-                  for obj, start, end in zip(objs, starts, ends, strict=True)]
+        chunks = [HostChunk(host=host, slots=slot_mapping[start:end])
+                  for host, start, end in zip(hosts, starts, ends, strict=True)]
         self._run(mover, chunks, to_host=False)
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -226,10 +237,10 @@ class PageFirstGPUConnector(GPUConnectorInterface):
         if n != num_tokens:
             raise PageFormatMismatch(f"chunk holds {n} tokens, the request range has {num_tokens}")
 
-    #: storages whose flat views `_host_region` keeps (LMCache's host pool is one storage; a bound all the same)
+    #: storages whose flat views `host_region` keeps (LMCache's host pool is one storage; a bound all the same)
     MAX_HOST_VIEWS = 8
 
-    def _host_region(self, obj: MemoryObj) -> torch.Tensor:
+    def host_region(self, obj: MemoryObj) -> torch.Tensor:
         """A chunk (loaded or stored) as a flat tensor of the KV dtype: a slice of a kept flat view over the
         storage it lives in. `MemoryObj.tensor` builds three views and the reshape a fourth, and each view call
         releases the GIL: on a busy engine (another thread wants the GIL) every release costs the transfer thread

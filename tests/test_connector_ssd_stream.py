@@ -1,0 +1,160 @@
+"""The connector's SSD stream (`kvtier.connector.ssd_stream`): a load's SSD-resident chunks reach vLLM's blocks
+through a bounded staging area, bit for bit, without filling the host tier; a chunk that fails verification, is
+in no local tier, or has another model's format ends the stream at its first token."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.metadata import LMCacheMetadata
+
+from kvtier.connector.ssd_stream import SSDStream
+from kvtier.connector.worker_storage import SSDTierHandle
+from kvtier.kernels import KVLayoutKind, vllm_cache_shape
+from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
+from kvtier.testing.engine_factory import kvtier_backend, load_lmcache_config
+
+L, H, D, BLOCK, PAGE, CHUNK, NBLOCKS = 2, 2, 32, 16, 16, 32, 20
+DTYPE = torch.float32
+NCHUNKS = 7  # 224 tokens: blocks 0..13
+
+
+def paged(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = vllm_cache_shape(KVLayoutKind.KV_FIRST, NBLOCKS, BLOCK, H, D)
+    return [torch.randn(shape, generator=g, dtype=DTYPE) for _ in range(L)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.fixture
+def stored(lmcache_yaml):
+    """A page-first engine whose SSD tier holds the 7 chunks of `tokens` (KV of `src`), host tier emptied."""
+    cfg = load_lmcache_config(lmcache_yaml(chunk_size=CHUNK, chunk_format="page_first", page_tokens=PAGE))
+    md = LMCacheMetadata(model_name="kvtier-test/stream", world_size=1, local_world_size=1, worker_id=0,
+                         local_worker_id=0, kv_dtype=DTYPE, kv_shape=(L, 2, CHUNK, H, D), chunk_size=CHUNK,
+                         role="worker")
+    conn = PageFirstGPUConnector.from_metadata(md, KVLayoutKind.KV_FIRST, PAGE)
+    iid = f"kvtier-stream-{uuid.uuid4().hex[:6]}"
+    eng = LMCacheEngineBuilder.get_or_create(iid, cfg, md, conn, lambda *a: None, lambda o, r: o)
+    eng.post_init()
+    try:
+        tokens = torch.arange(11, 11 + NCHUNKS * CHUNK)
+        slots = torch.arange(NCHUNKS * CHUNK)
+        src = paged(1)
+        eng.store(tokens, kvcaches=src, slot_mapping=slots)
+        plugin = kvtier_backend(eng)
+        assert plugin.flush(30) and plugin.tier.stats.committed == NCHUNKS
+        host = eng.storage_manager.storage_backends["LocalCPUBackend"]
+        host.clear()
+        chunks = list(eng.token_database.process_tokens(tokens=tokens))
+        yield {"eng": eng, "conn": conn, "plugin": plugin, "host": host, "src": src, "slots": slots,
+               "chunks": chunks, "ssd": SSDTierHandle(plugin), "md": md}
+    finally:
+        LMCacheEngineBuilder.destroy(iid)
+
+
+def blocks_of(caches: list[torch.Tensor], first_token: int, end_token: int) -> list[torch.Tensor]:
+    return [bits(c[:, first_token // BLOCK:end_token // BLOCK]) for c in caches]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_every_chunk_arrives_bit_exact_through_two_staging_chunks(stored):
+    s = stored
+    stream = SSDStream(s["ssd"], s["host"], s["conn"], stage_chunks=2)
+    dst = paged(2)
+    res = stream.load(s["chunks"], kvcaches=dst, slot_mapping=s["slots"])
+    assert res.bad_from is None and res.ssd_chunks == NCHUNKS and res.host_chunks == 0 and res.windows == 4
+    n = NCHUNKS * CHUNK
+    assert same(blocks_of(dst, 0, n), blocks_of(s["src"], 0, n))
+    assert same(blocks_of(dst, n, NBLOCKS * BLOCK), blocks_of(paged(2), n, NBLOCKS * BLOCK))  # nothing else written
+    # the host tier is neither filled nor used: the stream held at most its two staging chunks
+    assert len(s["host"].hot_cache) == 0
+    assert stream.staging_bytes == 2 * s["ssd"].chunk_bytes
+    assert s["plugin"].tier.stats.hits == NCHUNKS
+
+
+def test_tokens_vllm_already_holds_are_left_untouched(stored):
+    s = stored
+    dst = paged(3)
+    before = [c.clone() for c in dst]
+    res = SSDStream(s["ssd"], s["host"], s["conn"], stage_chunks=3).load(
+        s["chunks"][1:], kvcaches=dst, slot_mapping=s["slots"], vllm_cached_tokens=48)
+    assert res.bad_from is None
+    n = NCHUNKS * CHUNK
+    assert same(blocks_of(dst, 0, 48), blocks_of(before, 0, 48))
+    assert same(blocks_of(dst, 48, n), blocks_of(s["src"], 48, n))
+
+
+def test_a_flipped_byte_ends_the_stream_at_that_chunk(stored):
+    s = stored
+    tier = s["plugin"].tier
+    key = s["chunks"][4][2].to_string()
+    path, base = tier.io.files.locate_path(tier.index.get(key).slot)
+    with open(path, "r+b") as f:
+        f.seek(base + 4096 + 100)
+        b = f.read(1)[0]
+        f.seek(base + 4096 + 100)
+        f.write(bytes([b ^ 0x10]))
+    dst = paged(4)
+    res = SSDStream(s["ssd"], s["host"], s["conn"], stage_chunks=3).load(
+        s["chunks"], kvcaches=dst, slot_mapping=s["slots"])
+    assert res.bad_from == 4 * CHUNK and res.ssd_chunks == 4
+    assert same(blocks_of(dst, 0, 4 * CHUNK), blocks_of(s["src"], 0, 4 * CHUNK))
+    # the corrupt chunk and everything after it are left for vLLM to recompute, never written
+    assert same(blocks_of(dst, 4 * CHUNK, NBLOCKS * BLOCK), blocks_of(paged(4), 4 * CHUNK, NBLOCKS * BLOCK))
+    assert tier.stats.corrupt == 1 and not tier.contains(key)
+
+
+def test_a_chunk_only_in_the_host_tier_is_taken_from_there_and_released(stored):
+    s = stored
+    eng, tier = s["eng"], s["plugin"].tier
+    tokens = torch.arange(11, 11 + NCHUNKS * CHUNK)
+    eng.store(tokens, kvcaches=s["src"], slot_mapping=s["slots"])  # back into the host tier
+    assert s["plugin"].flush(30)
+    key = s["chunks"][2][2]
+    assert tier.remove(key.to_string()) and s["host"].contains(key)
+    obj = s["host"].hot_cache[key]
+    refs = obj.get_ref_count()
+    dst = paged(5)
+    res = SSDStream(s["ssd"], s["host"], s["conn"], stage_chunks=2).load(
+        s["chunks"], kvcaches=dst, slot_mapping=s["slots"])
+    assert res.bad_from is None and res.host_chunks == 1 and res.ssd_chunks == NCHUNKS - 1
+    n = NCHUNKS * CHUNK
+    assert same(blocks_of(dst, 0, n), blocks_of(s["src"], 0, n))
+    assert obj.get_ref_count() == refs
+
+
+def test_a_chunk_in_no_local_tier_ends_the_stream(stored):
+    s = stored
+    assert s["plugin"].tier.remove(s["chunks"][5][2].to_string())
+    dst = paged(6)
+    res = SSDStream(s["ssd"], s["host"], s["conn"], stage_chunks=4).load(
+        s["chunks"], kvcaches=dst, slot_mapping=s["slots"])
+    assert res.bad_from == 5 * CHUNK and res.ssd_chunks == 5
+    assert same(blocks_of(dst, 5 * CHUNK, NBLOCKS * BLOCK), blocks_of(paged(6), 5 * CHUNK, NBLOCKS * BLOCK))
+
+
+def test_another_models_chunks_are_misses_never_written(stored):
+    """A reader whose page-first chunk differs (here: half the page size, same bytes per chunk) must refuse the
+    slots by their recorded shape before any byte reaches its blocks."""
+    s = stored
+    other = PageFirstGPUConnector.from_metadata(s["md"], KVLayoutKind.KV_FIRST, PAGE // 2)
+    dst = paged(7)
+    res = SSDStream(s["ssd"], s["host"], other, stage_chunks=2).load(
+        s["chunks"], kvcaches=dst, slot_mapping=s["slots"])
+    assert res.bad_from == 0 and res.ssd_chunks == 0
+    assert same(blocks_of(dst, 0, NBLOCKS * BLOCK), blocks_of(paged(7), 0, NBLOCKS * BLOCK))
+
+
+def test_staging_area_needs_a_chunk(stored):
+    with pytest.raises(ValueError):
+        SSDStream(stored["ssd"], stored["host"], stored["conn"], stage_chunks=0)
