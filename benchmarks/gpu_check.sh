@@ -9,6 +9,7 @@
 #      skipped cleanly when unavailable).
 #   3. summary: medians, ratios a/d, a/b, a/c, targets.
 #   4. SLOT for the SSD tier's kvikio SSD->GPU read check (below).
+#   4b. GPU checksum (kvtier.kernels.crc32, the check of kvikio reads): bit-exact vs zlib, GB/s vs a host->GPU copy.
 #   5. transfer overlap (#14): a forward-like bf16 matmul step loop alone, with a concurrent page-first load
 #      (per-page copy_) on a copy stream, and with the Triton scatter kernel on a copy stream: step slowdown,
 #      load GB/s, overlap factor, pages bit-exact after the overlapped loads (benchmarks/transfer_overlap.py).
@@ -40,6 +41,7 @@ if [ "${1:-}" = "--dry-run" ]; then
   "$PY" "$ROOT/benchmarks/gather_kernel.py" --smoke --methods check,a,b,d --json "$OUTDIR/kernel-dry.json" \
     > "$OUTDIR/kernel-dry.log" 2>&1 || { log "gather_kernel.py --smoke failed:"; tail -n 20 "$OUTDIR/kernel-dry.log"; exit 1; }
   "$PY" "$ROOT/benchmarks/transfer_overlap.py" --dry-run --json "$OUTDIR/overlap-dry.json" || exit 1
+  "$PY" "$ROOT/benchmarks/gpu_crc.py" --dry-run || exit 1
   log "dry run done; results in $OUTDIR"
   exit 0
 fi
@@ -78,6 +80,9 @@ fi
 log "4/4 kvikio SSD->GPU"
 timeout 90 "$PY" "$ROOT/benchmarks/kvikio_read.py" --json "$OUTDIR/ssd.json" 2>&1 | tee "$OUTDIR/ssd.log"
 # ======================================================================================================
+
+log "GPU checksum of kvikio reads (Triton CRC-32 per piece): bit-exact vs zlib, GB/s vs a host->GPU copy"
+timeout 120 "$PY" "$ROOT/benchmarks/gpu_crc.py" --json "$OUTDIR/crc.json" 2>&1 | tee "$OUTDIR/crc.log"
 
 log "5/5 transfer overlap (forward-like steps with a concurrent load on a copy stream)"
 timeout 120 "$PY" "$ROOT/benchmarks/transfer_overlap.py" --json "$OUTDIR/overlap.json" 2>&1 | tee "$OUTDIR/overlap.log"

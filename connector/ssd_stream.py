@@ -6,7 +6,11 @@ more than 4 chunks back, however many the SSD held. The part of a load the prefe
 memory is therefore streamed here instead, on the worker's transfer thread (never inside a forward pass): up to
 `stage_chunks` chunks are read from the SSD tier into kvtier's own staging buffers (every byte verified by the
 tier, a torn, flipped or foreign slot is a miss), written into the request's blocks with the page-first scatter,
-and the buffers are reused for the next window. The host tier is neither filled nor evicted by it.
+and the buffers are reused for the next window. The host tier is neither filled nor evicted by it. Where the SSD
+tier reads with kvikio (`io_engine: auto` on a CUDA machine) the staging area lives in device memory beside vLLM's
+KV: chunks go from the SSD straight into it (GPUDirect Storage where the platform has it) and the scatter kernel
+moves them into the blocks on the device; the prefetch then leaves SSD chunks to the stream, so no byte of them
+passes through the host pool.
 
 A chunk that is not on the SSD but is in the host tier (another rank's write-through still queued, say) is taken
 from there; a chunk in neither, or whose recorded format is not this model's page-first chunk, ends the stream:
@@ -47,14 +51,17 @@ class SSDStream:
     transfer thread, under the engine lock)."""
 
     def __init__(self, ssd: SSDTierHandle, host: Any, connector: PageFirstGPUConnector, stage_chunks: int,
-                 *, pinned: bool = False) -> None:
+                 device: torch.device | str = "cpu") -> None:
         if stage_chunks < 1:
             raise ValueError(f"a staging area needs at least one chunk, got {stage_chunks}")
         self.ssd = ssd
         self.host = host  # LMCache LocalCPUBackend
         self.connector = connector
         self.stage_chunks = stage_chunks
-        self._pinned = pinned
+        self.device = torch.device(device)  # where vLLM's KV lives
+        #: the SSD tier reads straight into device memory (kvikio): the staging area lives beside vLLM's KV and
+        #: no byte of a streamed chunk passes through host memory
+        self.direct = ssd.reads_into_device
         self._staging: torch.Tensor | None = None  # (stage_chunks, chunk_bytes) uint8, allocated on first use
 
     @property
@@ -64,8 +71,11 @@ class SSDStream:
 
     def _buffers(self) -> torch.Tensor:
         if self._staging is None:
-            self._staging = torch.empty((self.stage_chunks, self.ssd.chunk_bytes), dtype=torch.uint8,
-                                        pin_memory=self._pinned)
+            shape = (self.stage_chunks, self.ssd.chunk_bytes)
+            if self.direct:
+                self._staging = torch.empty(shape, dtype=torch.uint8, device=self.device)
+            else:  # host staging; pinned where the scatter kernel reads it from a GPU
+                self._staging = torch.empty(shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         return self._staging
 
     def _accepts(self, meta: ChunkMeta, num_tokens: int) -> bool:
@@ -105,16 +115,21 @@ class SSDStream:
         dtype = self.connector.pages.dtype
         staged: dict[int, torch.Tensor] = {}
 
-        def dest(i: int, meta: ChunkMeta) -> memoryview | None:
+        def stage(i: int, meta: ChunkMeta) -> torch.Tensor | None:
             start, end, key = window[i]
             if not self._accepts(meta, end - start):
                 logger.warning("kvtier: SSD chunk %s is %s %s %s, not this model's page-first chunk of %d tokens; "
                                "streamed as a miss", key, meta.fmt, meta.shape, meta.dtype, end - start)
                 return None
             staged[i] = buffers[i, :meta.nbytes]
-            return memoryview(staged[i].numpy())
+            return staged[i]
 
-        arrived = self.ssd.read_into([k for _, _, k in window], dest)
+        keys = [k for _, _, k in window]
+        if self.direct:
+            arrived = self.ssd.read_into_device(keys, stage)
+        else:
+            arrived = self.ssd.read_into(keys, lambda i, meta: None if (t := stage(i, meta)) is None
+                                         else memoryview(t.numpy()))
         regions: list[torch.Tensor] = []
         ends: list[int] = []
         taken: list[Any] = []

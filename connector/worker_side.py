@@ -224,7 +224,12 @@ class WorkerSide:
         self.transfers = TransferQueue(self._engine_lock, self.kv_list[0].device, on_done=self._notify_progress)
         if self.cfg.options.ssd_stream_chunks > 0:
             self.stream = SSDStream(self.ssd, self.host, gpu_conn, self.cfg.options.ssd_stream_chunks,
-                                    pinned=self.kv_list[0].device.type == "cuda")
+                                    self.kv_list[0].device)
+            logger.info("kvtier: loads stream SSD chunks the host tier has no room for through %d chunks (%.1f MiB) "
+                        "of %s staging%s", self.stream.stage_chunks, self.stream.staging_bytes / (1 << 20),
+                        "device" if self.stream.direct else "host",
+                        " (kvikio reads; SSD chunks are not prefetched into the host tier)" if self.stream.direct
+                        else "")
         if self.cfg.shared is not None:
             try:
                 self.shared = self._attach_shared(md, heads, head_dim)
@@ -232,7 +237,8 @@ class WorkerSide:
                 self.close()
                 raise
         self.storage = WorkerStorage(self.host, self.ssd, self.shared, self._chunks, chunk, self.cfg.options,
-                                     self._stat, self._notify_progress)
+                                     self._stat, self._notify_progress,
+                                     direct_ssd=self.stream is not None and self.stream.direct)
         self.server = RPCServer(endpoint(self.engine_id, self.rank), self.handle)
         # LMCache keeps non-daemon threads until its engine is closed: close it before the interpreter joins
         # them, or an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) never exits.

@@ -9,10 +9,11 @@ the worker uses.
   then the shared tier when there is one (`connector/shared_side.py`: local tiers always first). With `pin`, the
   host-resident prefix is pinned for the request until its load (or `release`).
 - `WorkerStorage.submit_prefetch` reads SSD-only and shared-only chunks into the host tier on a background thread
-  (never inside a forward pass) and pins them for the request until its load. A chunk another prefetch is
-  reading from the SSD is not read again: the second prefetch waits for that read (after issuing its own) and
-  pins the chunk when it lands (reading it itself only if that read failed); counted in
-  kvtier_connector_prefetch_shared_chunks_total. `take_results` hands finished prefetches to the poll.
+  (never inside a forward pass) and pins them for the request until its load. Where the load's SSD stream reads
+  straight into device memory (`direct_ssd`: kvikio), SSD-only chunks are left to it, never staged in host
+  memory. A chunk another prefetch is reading from the SSD is not read again: the second prefetch waits for that
+  read (after issuing its own) and pins the chunk when it lands (reading it itself only if that read failed);
+  counted in kvtier_connector_prefetch_shared_chunks_total. `take_results` hands finished prefetches to the poll.
 """
 
 from __future__ import annotations
@@ -107,6 +108,20 @@ class SSDTierHandle:
         got = self._tier.read_batch(list(index), alloc, lambda _i: None)
         return [h is not None for h in got]
 
+    @property
+    def reads_into_device(self) -> bool:
+        """Whether the tier reads straight into device memory (kvikio: GDS, or its compat mode)."""
+        return self._tier.reads_into_device
+
+    def read_into_device(self, keys: Sequence[CacheEngineKey], dest: Callable[[int, ChunkMeta], torch.Tensor | None]
+                         ) -> list[bool]:
+        """`read_into` for device buffers: `dest(i, meta)` is the i-th chunk's device tensor (None: not read); each
+        chunk goes from the SSD into it through kvikio, verified."""
+        index = {k.to_string(): i for i, k in enumerate(keys)}
+        if len(index) != len(keys):
+            raise ValueError("read_into_device: the same chunk twice in one read")
+        return self._tier.read_batch_into_device(list(index), lambda key, meta: dest(index[key], meta))
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queued SSD writes are committed (False: not within `timeout` seconds)."""
         return self._plugin.flush(timeout)
@@ -122,9 +137,13 @@ class WorkerStorage:
     threads and the engine thread call it)."""
 
     def __init__(self, host: Any, ssd: SSDTierHandle, shared: SharedSide | None, chunks: Chunks, chunk_size: int,
-                 options: ConnectorOptions, stat: Callable[..., None], on_progress: Callable[[], None]) -> None:
+                 options: ConnectorOptions, stat: Callable[..., None], on_progress: Callable[[], None],
+                 *, direct_ssd: bool = False) -> None:
         self.host = host  # LMCache LocalCPUBackend
         self.ssd = ssd
+        #: SSD-only chunks are not prefetched into the host tier: the load's stream reads them straight into
+        #: device memory (kvikio) instead, never through the host pool
+        self.direct_ssd = direct_ssd
         self.shared = shared
         self._chunks = chunks
         self.chunk_size = chunk_size
@@ -243,6 +262,8 @@ class WorkerStorage:
                     if not self.ssd.contains(key):
                         missing = i
                         break
+                    if self.direct_ssd:  # the load streams it from the SSD straight into device memory
+                        continue
                     todo.append((start, end, key))
                     self._reading[key] = own[key] = threading.Event()
             objs = self.ssd.read([k for _, _, k in todo]) if todo else []

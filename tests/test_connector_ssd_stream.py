@@ -4,18 +4,22 @@ in no local tier, or has another model's format ends the stream at its first tok
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
-import torch
-from lmcache.v1.cache_engine import LMCacheEngineBuilder
-from lmcache.v1.metadata import LMCacheMetadata
 
-from kvtier.connector.ssd_stream import SSDStream
-from kvtier.connector.worker_storage import SSDTierHandle
-from kvtier.kernels import KVLayoutKind, vllm_cache_shape
-from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
-from kvtier.testing.engine_factory import kvtier_backend, load_lmcache_config
+pytest.importorskip("vllm")  # the connector's modules build on vLLM's connector base
+
+import torch  # noqa: E402
+from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+
+from kvtier.connector.ssd_stream import SSDStream  # noqa: E402
+from kvtier.connector.worker_storage import SSDTierHandle  # noqa: E402
+from kvtier.kernels import KVLayoutKind, vllm_cache_shape  # noqa: E402
+from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector  # noqa: E402
+from kvtier.testing.engine_factory import kvtier_backend, load_lmcache_config  # noqa: E402
 
 L, H, D, BLOCK, PAGE, CHUNK, NBLOCKS = 2, 2, 32, 16, 16, 32, 20
 DTYPE = torch.float32
@@ -158,3 +162,105 @@ def test_another_models_chunks_are_misses_never_written(stored):
 def test_staging_area_needs_a_chunk(stored):
     with pytest.raises(ValueError):
         SSDStream(stored["ssd"], stored["host"], stored["conn"], stage_chunks=0)
+
+
+@pytest.fixture
+def device_reads(stored):
+    """The same tier reading "device" destinations through the host stand-in of kvikio (CPU tensors)."""
+    from kvtier.testing.host_device_reader import HostDeviceReader
+
+    reader = HostDeviceReader()
+    stored["plugin"].tier.io.set_device_reader(reader)
+    stored["reader"] = reader
+    return stored
+
+
+def test_device_reads_go_from_the_ssd_straight_into_the_staging_area(device_reads, monkeypatch):
+    s = device_reads
+    assert s["ssd"].reads_into_device
+    monkeypatch.setattr(s["ssd"], "read_into", lambda *a: pytest.fail("a device stream read into host buffers"))
+    stream = SSDStream(s["ssd"], s["host"], s["conn"], stage_chunks=3, device="cpu")
+    assert stream.direct
+    dst = paged(8)
+    res = stream.load(s["chunks"], kvcaches=dst, slot_mapping=s["slots"])
+    assert res.bad_from is None and res.ssd_chunks == NCHUNKS and res.windows == 3
+    n = NCHUNKS * CHUNK
+    assert same(blocks_of(dst, 0, n), blocks_of(s["src"], 0, n))
+    assert s["reader"].reads == NCHUNKS and s["reader"].bytes == NCHUNKS * s["ssd"].chunk_bytes
+    assert len(s["host"].hot_cache) == 0
+
+
+def test_device_reads_verify_every_chunk(device_reads):
+    s = device_reads
+    tier = s["plugin"].tier
+    key = s["chunks"][2][2].to_string()
+    path, base = tier.io.files.locate_path(tier.index.get(key).slot)
+    with open(path, "r+b") as f:  # the last byte of the chunk: a check that skips the tail misses it
+        f.seek(base + 4096 + s["ssd"].chunk_bytes - 1)
+        b = f.read(1)[0]
+        f.seek(base + 4096 + s["ssd"].chunk_bytes - 1)
+        f.write(bytes([b ^ 0x01]))
+    dst = paged(9)
+    res = SSDStream(s["ssd"], s["host"], s["conn"], stage_chunks=4, device="cpu").load(
+        s["chunks"], kvcaches=dst, slot_mapping=s["slots"])
+    assert res.bad_from == 2 * CHUNK
+    assert same(blocks_of(dst, 2 * CHUNK, NBLOCKS * BLOCK), blocks_of(paged(9), 2 * CHUNK, NBLOCKS * BLOCK))
+    assert tier.stats.corrupt == 1 and not tier.contains(key)
+
+
+def test_device_reads_refuse_another_models_chunks(device_reads):
+    s = device_reads
+    other = PageFirstGPUConnector.from_metadata(s["md"], KVLayoutKind.KV_FIRST, PAGE // 2)
+    dst = paged(10)
+    res = SSDStream(s["ssd"], s["host"], other, stage_chunks=2, device="cpu").load(
+        s["chunks"], kvcaches=dst, slot_mapping=s["slots"])
+    assert res.bad_from == 0 and s["reader"].reads == 0
+    assert same(blocks_of(dst, 0, NBLOCKS * BLOCK), blocks_of(paged(10), 0, NBLOCKS * BLOCK))
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_prefetch_leaves_ssd_chunks_to_a_device_stream(stored, direct):
+    """With device reads the prefetch stages no SSD chunk in the host pool (the load's stream reads them into
+    device memory); without, it brings them into the host tier, pinned for the request."""
+    from kvtier.connector.config import ConnectorOptions
+    from kvtier.connector.worker_storage import WorkerStorage
+
+    s = stored
+    done = []
+    storage = WorkerStorage(s["host"], s["ssd"], None, lambda toks: list(s["eng"].token_database.process_tokens(
+        tokens=torch.tensor(toks))), CHUNK, ConnectorOptions(), lambda **kw: None, lambda: done.append(1),
+        direct_ssd=direct)
+    try:
+        tokens = list(range(11, 11 + NCHUNKS * CHUNK))
+        storage.submit_prefetch("r", tokens)
+        for _ in range(600):
+            got = storage.take_results(["r"])
+            if got:
+                break
+            time.sleep(0.05)
+        res = got["r"]
+        assert res.ok, res
+        if direct:
+            assert res.tokens == 0 and res.nbytes == 0 and len(s["host"].hot_cache) == 0
+            look = storage.lookup("r2", tokens)
+            assert (look.host_end, look.hit_end, look.ssd_tokens) == (0, NCHUNKS * CHUNK, NCHUNKS * CHUNK)
+        else:
+            assert res.tokens == NCHUNKS * CHUNK and len(s["host"].hot_cache) == NCHUNKS
+        storage.release("r")
+    finally:
+        storage.close()
+
+
+def test_a_byte_gone_bad_in_device_memory_is_a_miss(stored):
+    """The check runs on what landed in (device) memory, not on what the disk holds: a byte flipped after the
+    read (the last one of the chunk, in its last piece) is a miss, and nothing is written into the blocks."""
+    from kvtier.testing.host_device_reader import HostDeviceReader
+
+    s = stored
+    s["plugin"].tier.io.set_device_reader(HostDeviceReader(flip_byte=s["ssd"].chunk_bytes - 1))
+    dst = paged(11)
+    res = SSDStream(s["ssd"], s["host"], s["conn"], stage_chunks=2, device="cpu").load(
+        s["chunks"], kvcaches=dst, slot_mapping=s["slots"])
+    assert res.bad_from == 0 and res.ssd_chunks == 0
+    assert same(blocks_of(dst, 0, NBLOCKS * BLOCK), blocks_of(paged(11), 0, NBLOCKS * BLOCK))
+    assert s["plugin"].tier.stats.corrupt >= 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,15 @@ def select_engine(requested: str) -> str:
     engine = "kvikio" if ok else "posix"
     logger.info("kvtier.io_engine=auto chose %s (%s)", engine, why if ok else why + "; POSIX pread/pwrite")
     return engine
+
+
+class DeviceReader(Protocol):
+    """What the SSD tier's device reads use of kvikio: a positional read of `nbytes` at `offset` of the file at
+    `path` into `buf` (a device tensor; a host one for the CPU stand-in)."""
+
+    def pread(self, path: str, buf: Any, nbytes: int, offset: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class KvikioFiles:

@@ -29,12 +29,11 @@ from typing import Any
 from kvtier.storage_backends.ssd.episodes import EpisodeLog
 from kvtier.storage_backends.ssd.index import NOT_READ
 from kvtier.storage_backends.ssd.journal import Journal, JournalLoad
-from kvtier.storage_backends.ssd.kvikio_io import KvikioFiles, select_engine
+from kvtier.storage_backends.ssd.kvikio_io import DeviceReader, KvikioFiles, select_engine
 from kvtier.storage_backends.ssd.posix_io import (
     ALIGN,
     align_up,
     aligned_buffer,
-    bytes_view,
     is_aligned,
     pread_full,
     preadv_full,
@@ -100,7 +99,7 @@ class SlotIO:
                                keep_free=lambda slots: self.journal.reserve_bytes(slots))
         self.journal = Journal(os.path.join(directory, f"journal-{slot_size // 1024}k.log"))
         self.engine = select_engine(io_engine)
-        self._kvikio = KvikioFiles(io_threads) if self.engine == "kvikio" else None
+        self._kvikio: DeviceReader | None = KvikioFiles(io_threads) if self.engine == "kvikio" else None
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         # Reads cut each segment into pieces of at most `read_piece` bytes, each its own request, checked as soon
         # as it lands (the checksums of a batch trail its last byte by one piece, not by a whole segment), on as
@@ -319,13 +318,28 @@ class SlotIO:
             part[direct:direct + step] = b[:step]
             direct += step
 
+    @property
+    def device_reads(self) -> bool:
+        """Reads can go straight into device memory (kvikio, or a reader set with `set_device_reader`)."""
+        return self._kvikio is not None
+
+    def set_device_reader(self, reader: DeviceReader) -> None:
+        """Read device destinations with `reader` (kvikio's interface): the host stand-in the CPU tests drive the
+        device read path with."""
+        if self._kvikio is not None and self._kvikio is not reader:
+            self._kvikio.close()
+        self._kvikio = reader
+
     def read_into_device(self, it: SlotRead, dest: Any) -> str | None:
         """Read a chunk straight into a GPU tensor through kvikio (GDS or compat mode), verified against the slot's
-        checksums (through a host copy); None on success, else the reason. Never raises."""
+        checksums computed on the device (`kvtier.kernels.crc32`: never a host copy of the chunk); None on
+        success, else the reason. Never raises."""
         try:
             if self._kvikio is None:
                 raise _NotRead("reading into device memory needs kvtier.io_engine kvikio (a CUDA machine)")
             import torch
+
+            from kvtier.kernels.crc32 import segment_crcs
 
             flat = dest.view(-1).view(torch.uint8)
             if flat.numel() < it.meta.nbytes:
@@ -334,8 +348,8 @@ class SlotIO:
             hdr = aligned_buffer(HEADER_SIZE)
             pread_full(self.files.locate(it.slot)[0], hdr, base)
             self._kvikio.pread(path, flat[:it.meta.nbytes], it.meta.nbytes, base + HEADER_SIZE)
-            host = bytes_view(flat[:it.meta.nbytes].cpu().numpy())
-            self._verify(it, hdr, [checksum(host[lo:hi]) for lo, hi in segments(it.meta.nbytes, it.seg)])
+            # checksummed where the bytes landed (a GPU kernel on a GPU): only 4 bytes a piece reach the host
+            self._verify(it, hdr, segment_crcs(flat[:it.meta.nbytes], it.seg))
             return None
         except Exception as e:  # noqa: BLE001
             logger.warning("SSD chunk %s is unusable on device (%s); treated as a miss", it.key, e)

@@ -1,0 +1,111 @@
+"""CRC-32 of a buffer's pieces, computed where the bytes are: verifying a chunk that kvikio read into GPU memory
+never copies the chunk back to the host.
+
+The value is zlib's CRC-32 (reflected polynomial 0xEDB88320), the one the SSD tier's slot headers record per
+segment, so slots need no new format. The buffer is cut into pieces (`piece` bytes, the last one shorter); every
+piece's CRC is computed in parallel (one lane per piece, four bytes per step with slicing-by-4 tables); only the
+per-piece values (4 bytes each) travel to the host, where `segment_crcs` combines them into the per-segment values
+(CRC-32 is linear: `crc32_combine`).
+
+- On CUDA tensors the Triton kernel of `kernels/crc32_triton.py` runs (imported lazily, as the page kernel is).
+- Elsewhere a vectorized torch version of the same algorithm runs (CPU tests, and the reference the Triton kernel
+  is checked against under Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+import torch
+
+__all__ = ["DEFAULT_PIECE", "piece_crcs", "segment_crcs", "slicing_tables"]
+
+#: bytes per piece: one lane each; a divisor of every segment size the SSD tier uses (multiples of 4 KiB)
+DEFAULT_PIECE = 16384
+_POLY = 0xEDB88320
+Impl = Literal["auto", "torch", "triton"]
+
+
+@lru_cache(maxsize=1)
+def slicing_tables() -> np.ndarray:
+    """The four slicing-by-4 tables of zlib's CRC-32, `uint32[4, 256]` (table 0 is the classic byte table)."""
+    t = np.zeros((4, 256), dtype=np.uint32)
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ _POLY if c & 1 else c >> 1
+        t[0, i] = c
+    for k in range(1, 4):
+        t[k] = (t[k - 1] >> 8) ^ t[0][t[k - 1] & 0xFF]
+    return t
+
+
+def _piece_layout(nbytes: int, piece: int) -> tuple[list[int], list[int]]:
+    if piece <= 0 or piece % 4:
+        raise ValueError(f"piece must be a positive multiple of 4 bytes, got {piece}")
+    starts = list(range(0, nbytes, piece)) or [0]
+    lens = [min(piece, nbytes - s) for s in starts]
+    return starts, lens
+
+
+def piece_crcs(buf: torch.Tensor, piece: int = DEFAULT_PIECE, impl: Impl = "auto") -> list[int]:
+    """The CRC-32 of each `piece`-byte piece of `buf` (a contiguous 1-D uint8 tensor on any device), in order."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError("piece_crcs takes a contiguous 1-D uint8 tensor")
+    starts, lens = _piece_layout(buf.numel(), piece)
+    if impl == "auto":
+        impl = "triton" if buf.is_cuda else "torch"
+    if impl == "triton":
+        from . import crc32_triton  # lazily: TRITON_INTERPRET must be set before triton loads
+
+        out = crc32_triton.piece_crcs(buf, starts, lens, slicing_tables())
+    else:
+        out = _piece_crcs_torch(buf, starts, lens)
+    return [int(x) & 0xFFFFFFFF for x in out.cpu().tolist()]
+
+
+def segment_crcs(buf: torch.Tensor, seg: int, piece: int = DEFAULT_PIECE, impl: Impl = "auto") -> list[int]:
+    """The CRC-32 of each `seg`-byte segment of `buf` (what a slot header records), from its pieces' CRCs (the
+    pieces are made to divide `seg`: at most `piece` bytes)."""
+    piece = math.gcd(seg, piece)
+    if piece % 4:
+        raise ValueError(f"segments of {seg} bytes cannot be cut into pieces of a multiple of 4 bytes")
+    from kvtier.storage_backends.ssd.slot_format import combine_checksums, segments
+
+    n = buf.numel()
+    crcs = piece_crcs(buf, piece, impl)
+    starts, lens = _piece_layout(n, piece)
+    out = []
+    for lo, hi in segments(n, seg):
+        first = lo // piece
+        last = max(first + 1, -(-hi // piece))
+        out.append(combine_checksums([(crcs[i], lens[i]) for i in range(first, last)]))
+    return out
+
+
+def _piece_crcs_torch(buf: torch.Tensor, starts: list[int], lens: list[int]) -> torch.Tensor:
+    """Every piece's CRC-32 as int64, all pieces advanced together four bytes per step."""
+    dev = buf.device
+    tables = torch.from_numpy(slicing_tables().astype(np.int64)).to(dev)
+    t0, t1, t2, t3 = tables
+    full = [i for i, n in enumerate(lens) if n == lens[0]]
+    out = torch.empty(len(lens), dtype=torch.int64, device=dev)
+    groups = [full] + [[i] for i in range(len(full), len(lens))]  # only the last piece can be shorter
+    for idx in groups:
+        n = lens[idx[0]]
+        rows = torch.stack([buf[starts[i]:starts[i] + n] for i in idx]) if n else buf.new_zeros((len(idx), 0))
+        words = n // 4
+        crc = torch.full((len(idx),), 0xFFFFFFFF, dtype=torch.int64, device=dev)
+        if words:
+            w = rows[:, :words * 4].reshape(len(idx), words, 4).to(torch.int64)
+            w = w[:, :, 0] | (w[:, :, 1] << 8) | (w[:, :, 2] << 16) | (w[:, :, 3] << 24)
+            for j in range(words):
+                x = crc ^ w[:, j]
+                crc = t3[x & 0xFF] ^ t2[(x >> 8) & 0xFF] ^ t1[(x >> 16) & 0xFF] ^ t0[(x >> 24) & 0xFF]
+        for j in range(words * 4, n):
+            crc = t0[(crc ^ rows[:, j].to(torch.int64)) & 0xFF] ^ (crc >> 8)
+        out[torch.tensor(idx, device=dev)] = crc ^ 0xFFFFFFFF
+    return out
