@@ -404,7 +404,7 @@ def report(title: str, rows: dict[str, list[float]], cpu_rows: dict[str, list[fl
     print(f"\n== {title}")
     print(f"\n{'method (GB/s per batch)':<32}{'median':>8}{'p10':>7}{'p90':>7}{'CPU s/GB':>10}")
     for k, v in rows.items():
-        q = statistics.quantiles(v, n=10) if len(v) > 1 else v * 9
+        q = statistics.quantiles(v, n=10, method="inclusive") if len(v) > 1 else v * 9
         print(f"{k:<32}{statistics.median(v):>8.2f}{q[0]:>7.2f}{q[-1]:>7.2f}{statistics.median(cpu_rows[k]):>10.2f}")
     raw_reads = [k for k in rows if k.startswith("raw read")]
     print("\nratios: median over batches of (method / baseline of the same batch), then target")
