@@ -81,7 +81,7 @@ FEEDBACK = counter("kvtier_connector_answer_feedback_total",
 
 _SUM_KEYS = ("loads", "loaded_tokens", "load_seconds", "saves", "saved_tokens", "save_seconds", "load_error_blocks",
              "prefetches", "prefetched_tokens", "prefetch_seconds", "feedback", "async_loads", "preemption_flushes",
-             "prefetch_shared_chunks", "idle_waits", "idle_wait_seconds", "streamed_tokens", "stream_windows")
+             "prefetch_shared_chunks", "idle_waits", "idle_wait_seconds", "streamed_tokens")
 
 
 @dataclass

@@ -66,7 +66,8 @@ class SSDStream:
 
     @property
     def staging_bytes(self) -> int:
-        """The staging area's size: the most host memory a streamed load holds, however long the request."""
+        """The staging area's size: the most memory (host, or device for `direct`) a streamed load holds, however
+        long the request."""
         return self.stage_chunks * self.ssd.chunk_bytes
 
     def _buffers(self) -> torch.Tensor:

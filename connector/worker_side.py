@@ -409,11 +409,11 @@ class WorkerSide:
         res = self.stream.load(chunks, kvcaches=self.kv_list, slot_mapping=slots, vllm_cached_tokens=spec.gpu_cached)
         streamed = (res.bad_from if res.bad_from is not None else spec.load_end) - start
         M.STREAMED_TOKENS.inc(max(streamed, 0))
-        self._stat(streamed_tokens=max(streamed, 0), stream_windows=res.windows)
+        self._stat(streamed_tokens=max(streamed, 0))
         if res.bad_from is None:
             return None
-        logger.info("kvtier: %s: chunk at token %d was in no local tier when its load streamed it", spec.req_id,
-                    res.bad_from)
+        logger.info("kvtier: %s: the SSD stream stopped at token %d (its chunk is in no local tier, failed its "
+                    "checksum or has another model's format)", spec.req_id, res.bad_from)
         return max(res.bad_from, spec.gpu_cached)
 
     def _finish_load(self, spec: LoadSpec, bad_from: int | None, seconds: float, mode: str) -> None:

@@ -91,19 +91,24 @@ class SSDTierHandle:
         (never waits for room: a prefetch must not hold the pool it is filling)."""
         return self._plugin.read(keys, wait_for_memory=False)
 
+    @staticmethod
+    def _positions(keys: Sequence[CacheEngineKey]) -> dict[str, int]:
+        """Each chunk's tier key -> its position in `keys` (a chunk asked twice in one read is refused)."""
+        index = {k.to_string(): i for i, k in enumerate(keys)}
+        if len(index) != len(keys):
+            raise ValueError("the same chunk twice in one read")
+        return index
+
     def read_into(self, keys: Sequence[CacheEngineKey], dest: Callable[[int, ChunkMeta], memoryview | None]
                   ) -> list[bool]:
         """Read chunks into buffers the caller owns: `dest(i, meta)` is the i-th chunk's destination (None: not
         read). Verified as every read of the tier is (a torn, flipped or foreign slot is a miss); True where the
         chunk arrived whole."""
-        index = {k.to_string(): i for i, k in enumerate(keys)}
-        if len(index) != len(keys):
-            raise ValueError("read_into: the same chunk twice in one read")
+        index = self._positions(keys)
 
         def alloc(key: str, meta: ChunkMeta) -> tuple[memoryview, int] | None:
-            i = index[key]
-            buf = dest(i, meta)
-            return None if buf is None else (buf, i)
+            buf = dest(index[key], meta)
+            return None if buf is None else (buf, index[key])
 
         got = self._tier.read_batch(list(index), alloc, lambda _i: None)
         return [h is not None for h in got]
@@ -117,9 +122,7 @@ class SSDTierHandle:
                          ) -> list[bool]:
         """`read_into` for device buffers: `dest(i, meta)` is the i-th chunk's device tensor (None: not read); each
         chunk goes from the SSD into it through kvikio, verified."""
-        index = {k.to_string(): i for i, k in enumerate(keys)}
-        if len(index) != len(keys):
-            raise ValueError("read_into_device: the same chunk twice in one read")
+        index = self._positions(keys)
         return self._tier.read_batch_into_device(list(index), lambda key, meta: dest(index[key], meta))
 
     def flush(self, timeout: float | None = None) -> bool:
