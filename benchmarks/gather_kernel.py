@@ -226,6 +226,18 @@ class BatchCopier:
                     ("dstLocHint", ctypes.c_int * 2), ("flags", ctypes.c_uint)]
 
     def prepare(self, dsts: list[int], srcs: list[int], sizes: list[int]) -> Callable[[], None]:
+        run = self._prepare(dsts, srcs, sizes)
+        side = torch.cuda.Stream()  # the batch call refuses the legacy default stream (cudaErrorInvalidValue)
+
+        def ordered() -> None:
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                run()
+            cur.wait_stream(side)
+        return ordered
+
+    def _prepare(self, dsts: list[int], srcs: list[int], sizes: list[int]) -> Callable[[], None]:
         n = len(dsts)
         if self.how == "cuda-python":
             rt = self.rt

@@ -10,7 +10,7 @@ page per layer (Strata's GPU-assisted I/O).
 * :mod:`.torch_ops`: vectorized torch path (CPU KV caches) and reference.
 * :mod:`.triton_ops`: the one-launch Triton kernel (GPU; pinned host memory through UVA). Imported lazily,
   so this package imports with torch alone and ``TRITON_INTERPRET`` can still be set before triton loads.
-* :mod:`.crc32` (:mod:`.crc32_triton` on GPU): zlib's CRC-32 of a buffer's pieces where the bytes are, so the SSD
+* :mod:`.crc32` (:mod:`.crc32_triton` on GPU): zlib's CRC-32 of a buffer's segments where the bytes are, so the SSD
   tier verifies what kvikio read into GPU memory without copying it back.
 
 The LMCache GPU connectors that use these kernels live in :mod:`kvtier.storage_backends.lmcache`.

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Break each SSD-tier guarantee on purpose, one at a time, and check that a test fails (a test that cannot fail
 proves nothing). Each mutation replaces one exact snippet of a source file, runs the named tests in the clone's
-.venv, prints CAUGHT or MISSED (STALE when its snippet no longer matches: a failure too), and restores the file.
+.venv, prints CAUGHT or MISSED (STALE when its snippet no longer matches, BROKEN when the tests could not run: failures
+too), and restores the file.
 Usage: scripts/mutation-check.py [NAME-SUBSTRING ...]"""
 import os
 import shutil
@@ -408,15 +409,30 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         'tests/test_kernels_crc32.py',
     ),
     (
-        'gpu checksum: tail bytes skipped (triton)',
+        'gpu checksum: the last piece skipped (triton)',
         'kernels/crc32_triton.py',
-        '        m = live & (b < nt)',
-        '        m = live & (b < 0)',
+        '        _crc32_segments[(aligned,)](',
+        '        _crc32_segments[(aligned - 1,)](',
+        'tests/test_kernels_crc32.py::test_triton_kernel_equals_zlib_under_the_interpreter',
+    ),
+    (
+        'gpu checksum: a piece not advanced to its segment end (triton)',
+        'kernels/crc32_triton.py',
+        '            lin = _advance(lin, pow_tab_ptr + bit * 1024)',
+        '            lin = _advance(lin, pow_tab_ptr + bit * 0)',
+        'tests/test_kernels_crc32.py::test_triton_kernel_equals_zlib_under_the_interpreter',
+    ),
+    (
+        'gpu checksum: an odd tail read as whole words (triton)',
+        'kernels/crc32_triton.py',
+        '                              BLOCK=block, BYTEWISE=True)',
+        '                              BLOCK=block, BYTEWISE=False)',
         'tests/test_kernels_crc32.py::test_triton_kernel_equals_zlib_under_the_interpreter',
     ),
 ]
 only = sys.argv[1:]
-env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu")
+env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu",
+           PYTHONPATH=os.path.join(ROOT, ".kvtier-import"))  # this clone's sources (scripts/env.sh)
 missed = 0
 for name, f, old, new, tests in MUTS:
     if only and not any(o in name for o in only):
@@ -435,8 +451,9 @@ for name, f, old, new, tests in MUTS:
         r = subprocess.run(f"timeout 600 .venv/bin/pytest -p no:warnings -q -x {tests}", shell=True, cwd=ROOT,
                            env=env, capture_output=True, text=True)
         last = [line for line in r.stdout.splitlines() if line.strip()][-1:]
-        print(f"[{'CAUGHT' if r.returncode else 'MISSED'}] {name}: {last}", flush=True)
-        missed += r.returncode == 0
+        broken = r.returncode in (2, 3, 4, 5)  # interrupted, internal error, usage, no tests: nothing was checked
+        print(f"[{'BROKEN' if broken else 'CAUGHT' if r.returncode else 'MISSED'}] {name}: {last}", flush=True)
+        missed += r.returncode == 0 or broken
     finally:
         shutil.copy(backup, p)
 sys.exit(1 if missed else 0)

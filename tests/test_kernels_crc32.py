@@ -71,11 +71,17 @@ def test_refuses_what_it_cannot_cut():
 def _triton_worker() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     for n in SIZES:
-        for piece in (4, 1024):
+        for piece in (4, 1024, 2800, 16384):  # one word; two rows; off the row size; 32 rows
+            if piece == 4 and n > 1024:
+                piece = 12  # the interpreter runs programs one by one
             b = _bytes(n, n + piece)
             got = piece_crcs(b, piece, impl="triton")
             print(json.dumps({"n": n, "piece": piece, "ok": got == _zlib_pieces(bytes(b.numpy()), piece)}),
                   flush=True)
+        for seg, piece in ((4096, 1024), (12288, 4096), (1 << 20, 16384)):  # pieces combined by the kernel
+            b = _bytes(n, n + seg)
+            got = segment_crcs(b, seg, piece, impl="triton")
+            print(json.dumps({"n": n, "seg": seg, "ok": got == _zlib_pieces(bytes(b.numpy()), seg)}), flush=True)
 
 
 def test_triton_kernel_equals_zlib_under_the_interpreter():
@@ -87,5 +93,5 @@ def test_triton_kernel_equals_zlib_under_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2 * len(SIZES)
+    assert len(rows) == 7 * len(SIZES)
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
