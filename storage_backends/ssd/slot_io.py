@@ -7,10 +7,10 @@ It moves bytes and says whether they are good; it decides nothing about which ch
   touched is `fdatasync`ed. Only after that may the caller append the chunks' COMMIT records (`commit`, fsync'd).
 - `read`: every segment is read in pieces of at most `read_piece` bytes (`kvtier.read_piece_mb`), all in parallel
   (at most _MAX_READ_THREADS requests at once), straight into the destination (the header travels with the first
-  piece, one request); each piece's CRC-32 is computed as soon as it lands and the pieces' CRCs are combined into
-  the segment's, so checking a batch trails its last byte by one piece; the header must name the expected key,
-  generation and metadata and every segment's CRC must match, or the read's verdict is the reason it failed (never
-  wrong bytes reported as good).
+  piece, one request); each piece's CRC-32 is computed by the thread that read it, as soon as it lands, and the
+  pieces' CRCs are combined into the segment's, so checking a batch trails its last byte by one piece; the header
+  must name the expected key, generation and metadata and every segment's CRC must match, or the read's verdict is
+  the reason it failed (never wrong bytes reported as good).
 - `free`: FREE records are appended without fsync and never raise (a lost FREE record costs nothing: the slot's
   next COMMIT supersedes it, and a resurrected chunk is still verified on read).
 Errors are per chunk: one chunk's failure never fails the others of its batch.
@@ -57,7 +57,7 @@ from kvtier.storage_backends.ssd.slot_format import (
 
 logger = logging.getLogger(__name__)
 
-#: threads computing segment checksums beside the I/O threads
+#: threads computing the checksums of written segments beside the I/O threads
 _CRC_THREADS = 2
 #: small pieces of large blocks queue beyond this many concurrent read requests instead of adding threads
 _MAX_READ_THREADS = 64
@@ -107,8 +107,9 @@ class SlotIO:
         self.read_piece = min(align_up(max(ALIGN, read_piece)), max(ALIGN, seg))
         self._rd = ThreadPoolExecutor(max_workers=min(_MAX_READ_THREADS, io_threads * -(-seg // self.read_piece)),
                                       thread_name_prefix="kvtier-read")
-        # Checksums run beside the I/O threads, not on them: an I/O thread issues its next request while the
-        # segment it just read (or is writing) is being checked, so the disk never waits on the CPU.
+        # A write's checksums run beside the I/O threads, not on them: an I/O thread issues its next request
+        # while the segment it is writing is being checked. A read's piece is checked by the thread that read it
+        # (no hand-off, the bytes still in its cache) while the other read threads keep the disk busy.
         self._crc = ThreadPoolExecutor(max_workers=_CRC_THREADS, thread_name_prefix="kvtier-crc")
         self._tls = threading.local()
         self._journal_lock = threading.Lock()
@@ -271,7 +272,7 @@ class SlotIO:
                 continue
             hdr, segs = job
             try:
-                crcs = [combine_checksums([(p.result().result(), n) for p, n in seg]) for seg in segs]
+                crcs = [combine_checksums([(p.result(), n) for p, n in seg]) for seg in segs]
                 self._verify(it, hdr, crcs)
                 out.append(None)
             except Exception as e:  # noqa: BLE001
@@ -280,9 +281,10 @@ class SlotIO:
         return out
 
     def _read_piece(self, fd: int, base: int, dest: memoryview, rng: tuple[int, int],
-                    hdr: memoryview | None = None) -> Future[int]:
+                    hdr: memoryview | None = None) -> int:
         """Read bytes `rng` of the chunk into `dest` (and the slot header just before them, if `hdr` is given);
-        returns the future of their CRC32, so this I/O thread can go on to its next request."""
+        returns their CRC32, computed here while the bytes are hot in this core's cache (no hand-off: the other
+        read threads keep the disk busy meanwhile)."""
         lo, hi = rng
         part = dest[lo:hi]
         off = base + HEADER_SIZE + lo
@@ -296,7 +298,7 @@ class SlotIO:
                 pread_full(fd, hdr, base)
         if lead < hi - lo:
             self._read_range(fd, part[lead:], off + lead)
-        return self._crc.submit(checksum, part)
+        return checksum(part)
 
     def _read_range(self, fd: int, part: memoryview, off: int) -> None:
         if self._kvikio is not None:
