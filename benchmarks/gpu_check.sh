@@ -9,7 +9,9 @@
 #      skipped cleanly when unavailable).
 #   3. summary: medians, ratios a/d, a/b, a/c, targets.
 #   4. SLOT for the SSD tier's kvikio SSD->GPU read check (below).
-#   4b. GPU checksum (kvtier.kernels.crc32, the check of kvikio reads): bit-exact vs zlib, GB/s vs a host->GPU copy.
+#   4b. the SSD stream's device path without vLLM (benchmarks/gpu_ssd_load.py): chunks read by kvikio into GPU
+#       staging, verified there, scattered into paged KV by the kernel; vs via pinned host; every block bit-exact.
+#   4c. GPU checksum (kvtier.kernels.crc32, the check of kvikio reads): bit-exact vs zlib, GB/s vs a host->GPU copy.
 #   5. transfer overlap (#14): a forward-like bf16 matmul step loop alone, with a concurrent page-first load
 #      (per-page copy_) on a copy stream, and with the Triton scatter kernel on a copy stream: step slowdown,
 #      load GB/s, overlap factor, pages bit-exact after the overlapped loads (benchmarks/transfer_overlap.py).
@@ -42,6 +44,7 @@ if [ "${1:-}" = "--dry-run" ]; then
     > "$OUTDIR/kernel-dry.log" 2>&1 || { log "gather_kernel.py --smoke failed:"; tail -n 20 "$OUTDIR/kernel-dry.log"; exit 1; }
   "$PY" "$ROOT/benchmarks/transfer_overlap.py" --dry-run --json "$OUTDIR/overlap-dry.json" || exit 1
   "$PY" "$ROOT/benchmarks/gpu_crc.py" --dry-run || exit 1
+  "$PY" "$ROOT/benchmarks/gpu_ssd_load.py" --dry-run --repeats 1 || exit 1
   log "dry run done; results in $OUTDIR"
   exit 0
 fi
@@ -81,7 +84,10 @@ log "4/4 kvikio SSD->GPU"
 timeout 90 "$PY" "$ROOT/benchmarks/kvikio_read.py" --json "$OUTDIR/ssd.json" 2>&1 | tee "$OUTDIR/ssd.log"
 # ======================================================================================================
 
-log "GPU checksum of kvikio reads (Triton CRC-32 per piece): bit-exact vs zlib, GB/s vs a host->GPU copy"
+log "SSD stream's device path: kvikio -> GPU staging -> scatter kernel -> paged KV, vs via pinned host; bit-exact"
+timeout 120 "$PY" "$ROOT/benchmarks/gpu_ssd_load.py" --json "$OUTDIR/load.json" 2>&1 | tee "$OUTDIR/load.log"
+
+log "GPU checksum of kvikio reads (Triton CRC-32 per segment): bit-exact vs zlib, GB/s vs a host->GPU copy"
 timeout 120 "$PY" "$ROOT/benchmarks/gpu_crc.py" --json "$OUTDIR/crc.json" 2>&1 | tee "$OUTDIR/crc.log"
 
 log "5/5 transfer overlap (forward-like steps with a concurrent load on a copy stream)"

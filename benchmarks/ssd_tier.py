@@ -475,7 +475,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.one_repeat is not None:
         return child_repeat(args)
-    os.makedirs(args.dir, exist_ok=True)
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.dir)
     if not drop_page_cache():
         print("note: cannot drop the page cache (not root): reads are not cold", file=sys.stderr)

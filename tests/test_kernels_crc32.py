@@ -1,5 +1,5 @@
-"""`kvtier.kernels.crc32`: per-piece CRC-32 where the bytes are (the GPU check of kvikio reads), bit-exact
-against zlib, and what the SSD tier does with it: the slot header's per-segment values from the piece values; a
+"""`kvtier.kernels.crc32`: CRC-32 where the bytes are (the GPU check of kvikio reads), per piece and per segment,
+bit-exact against zlib, and what the SSD tier does with it: the slot header's per-segment values; a
 byte that went bad in device memory after the read is a miss.
 
 The torch path runs here directly; the Triton kernel runs under Triton's interpreter in a subprocess
