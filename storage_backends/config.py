@@ -65,8 +65,9 @@ KEYS: tuple[KeySpec, ...] = (
             "to stay under it. Above the disk's free space the tier grows only into what is free, keeping room for "
             "its journal (`kvtier check-config` warns).", required=True, minimum=0.0, exclusive=True),
     KeySpec("io_threads", "int", "Threads issuing pread/pwrite (or kvikio) requests in parallel.", minimum=1),
-    KeySpec("io_engine", "choice", "`auto` (kvikio when a CUDA driver is present, POSIX otherwise; logged), "
-            "`posix` or `kvikio` (fails at start if kvikio cannot run).", choices=("auto", "posix", "kvikio")),
+    KeySpec("io_engine", "choice", "`auto` (kvikio where GPUDirect Storage is on, reading SSD chunks straight into "
+            "GPU memory; POSIX otherwise, also in kvikio's compat mode, where it measured faster; logged), `posix` "
+            "or `kvikio` (fails at start if kvikio cannot run).", choices=("auto", "posix", "kvikio")),
     KeySpec("o_direct", "bool", "Bypass the page cache (O_DIRECT). Start fails on file systems without it "
             "(e.g. tmpfs) unless set to false."),
     KeySpec("durable_writes", "bool", "fdatasync slot data before a chunk counts as stored (a crash loses no "

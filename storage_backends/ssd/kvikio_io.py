@@ -28,7 +28,24 @@ def kvikio_status() -> tuple[bool, str]:
     return True, "kvikio with a CUDA driver"
 
 
+def gds_status() -> tuple[bool, str]:
+    """(GDS, reason): whether kvikio would read through cuFile (GPUDirect Storage) rather than its compat mode
+    (POSIX reads into a bounce buffer, then a copy to the GPU)."""
+    try:
+        import kvikio.defaults
+
+        if kvikio.defaults.is_compat_mode_preferred():
+            return False, "kvikio would run in its compat mode (no GPUDirect Storage on this machine)"
+    except Exception as e:  # noqa: BLE001 - an old or broken kvikio: no GDS known
+        return False, f"kvikio cannot say whether GPUDirect Storage is available ({e})"
+    return True, "kvikio with GPUDirect Storage"
+
+
 def select_engine(requested: str) -> str:
+    """The I/O engine `kvtier.io_engine` resolves to. `auto` reads with kvikio (straight into device memory) only
+    where GPUDirect Storage is on: in kvikio's compat mode the host path (O_DIRECT into pinned memory, the page
+    kernel reading it) was faster (0.83-0.85x device/host on an H200, docs/results/2026-12-04-first-gpu-run.md);
+    `kvikio` asks for it anyway."""
     from kvtier.storage_backends.config import ConfigError
 
     ok, why = kvikio_status()
@@ -38,9 +55,16 @@ def select_engine(requested: str) -> str:
         if not ok:
             raise ConfigError(f"kvtier.io_engine: kvikio was requested but {why}; use auto or posix")
         return "kvikio"
-    engine = "kvikio" if ok else "posix"
-    logger.info("kvtier.io_engine=auto chose %s (%s)", engine, why if ok else why + "; POSIX pread/pwrite")
-    return engine
+    if ok:
+        gds, why = gds_status()
+        if gds:
+            logger.info("kvtier.io_engine=auto chose kvikio (%s): SSD chunks are read straight into GPU memory", why)
+            return "kvikio"
+        logger.info("kvtier.io_engine=auto chose posix: %s; SSD chunks are read into pinned host memory, faster than "
+                    "kvikio's compat mode here (kvtier.io_engine: kvikio uses it anyway)", why)
+        return "posix"
+    logger.info("kvtier.io_engine=auto chose posix (%s; POSIX pread/pwrite)", why)
+    return "posix"
 
 
 class DeviceReader(Protocol):
