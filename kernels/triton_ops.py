@@ -2,7 +2,7 @@
 
 One kernel launch moves every page of a :class:`~kvtier.kernels.layout.TransferPlan`, across all layers, in
 one direction. Work items are ``(page, layer, K/V, tile of tokens)``; a fixed, small number of programs
-(``max_programs``, default 32) loops over them, so the copy occupies only a few SMs and leaves the rest to the
+(``max_programs``, default 4) loops over them, so the copy occupies only a few SMs and leaves the rest to the
 model. On NVIDIA GPUs the host side is pinned memory that the kernel reads or writes directly through unified
 virtual addressing: no staging buffer and no ``cudaMemcpy``.
 
@@ -30,12 +30,15 @@ from .layout import LayoutError, TransferPlan, bits_dtype, pick_align
 
 logger = logging.getLogger(__name__)
 
-#: default bound on programs (thread blocks) per launch
-DEFAULT_MAX_PROGRAMS = 32
+#: default bound on programs (thread blocks) per launch: 4 programs of 8 warps moving 16384-element tiles fill PCIe
+#: (46 to 49 GB/s on an H200, as 32 programs did) while a concurrent bf16 matmul loses nothing measurable; 32
+#: programs of 4096-element tiles slowed it by 27 to 29% (benchmarks/kernel_interference.py,
+#: docs/results/2026-12-04-first-gpu-run.md)
+DEFAULT_MAX_PROGRAMS = 4
 #: default warps per program
 DEFAULT_NUM_WARPS = 8
 #: target elements per tile (tokens x hidden)
-_TILE_ELEMS = 4096
+_TILE_ELEMS = 16384
 
 
 def interpreter_active() -> bool:
@@ -125,7 +128,7 @@ def run_plan(
     """Execute a validated plan in one kernel launch (returns without waiting for the GPU).
 
     ``max_programs`` bounds the grid (default :data:`DEFAULT_MAX_PROGRAMS`), ``num_warps`` the warps per
-    program, ``tile_elems`` the elements one program moves per step (default 4096).
+    program, ``tile_elems`` the elements one program moves per step (default 16384).
     """
     kv = plan.kv
     if plan.num_pages == 0 or plan.num_tokens == 0:
