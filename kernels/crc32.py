@@ -56,9 +56,9 @@ def _piece_layout(nbytes: int, piece: int) -> tuple[list[int], list[int]]:
 def piece_crcs(buf: torch.Tensor, piece: int = DEFAULT_PIECE, impl: Impl = "auto") -> list[int]:
     """The CRC-32 of each `piece`-byte piece of `buf` (a contiguous 1-D uint8 tensor on any device), in order."""
     _check(buf)
-    starts, lens = _piece_layout(buf.numel(), piece)
     if _impl(buf, impl) == "triton":
         return _triton_segments(buf, piece, piece)
+    starts, lens = _piece_layout(buf.numel(), piece)
     return [int(x) & 0xFFFFFFFF for x in _piece_crcs_torch(buf, starts, lens).cpu().tolist()]
 
 
