@@ -41,6 +41,22 @@ def _lmcache_mp() -> str | None:
     return None
 
 
+def _vllm_tiering() -> str | None:
+    """vLLM's own offloading with out-of-tree secondary tiers (`TieringOffloadingSpec`, vLLM >= 0.32); looked up by
+    file, without importing vLLM."""
+    from pathlib import Path
+
+    if installed_versions().vllm is None:
+        return "vLLM is not installed"
+    spec = importlib.util.find_spec("vllm")
+    root = Path(spec.origin).parent if spec is not None and spec.origin else None
+    need = ("v1/kv_offload/tiering/spec.py", "v1/kv_offload/tiering/base.py", "v1/kv_offload/file_mapper.py")
+    missing = [n for n in need if root is None or not (root / n).exists()]
+    if missing:
+        return f"this vLLM has no tiering offload ({', '.join(missing)} missing)"
+    return None
+
+
 def _gpu() -> str | None:
     import torch
 
@@ -51,6 +67,7 @@ FEATURES: dict[str, Callable[[], str | None]] = {
     "vllm": _vllm,
     "vllm_cpu_engine": _vllm_cpu_engine,
     "lmcache_mp": _lmcache_mp,
+    "vllm_tiering": _vllm_tiering,
     "gpu": _gpu,
 }
 

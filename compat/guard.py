@@ -31,7 +31,8 @@ STRICT_ENV = "KVTIER_STRICT_VERSIONS"
 COMPONENT_CONNECTOR = "kvtier's vLLM connector"
 COMPONENT_PLUGIN = "kvtier's LMCache storage plugin"
 COMPONENT_MP_ADAPTER = "kvtier's LMCache MP-mode L2 adapter"
-_NEEDS_VLLM = {COMPONENT_CONNECTOR}
+COMPONENT_VLLM_TIER = "kvtier's secondary tier for vLLM's offloading"
+_NEEDS_VLLM = {COMPONENT_CONNECTOR, COMPONENT_VLLM_TIER}
 
 
 class UnsupportedVersion(RuntimeError):

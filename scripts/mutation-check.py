@@ -443,6 +443,27 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         '                              BLOCK=block, BYTEWISE=False)',
         'tests/test_kernels_crc32.py::test_triton_kernel_equals_zlib_under_the_interpreter',
     ),
+    (
+        'vllm tier: a store job finished before its chunks commit',
+        'storage_backends/vllm_offload/secondary_tier.py',
+        'state = _StoreJob(job.job_id, left=len(keys) + 1, started=time.monotonic())',
+        'state = _StoreJob(job.job_id, left=1, started=time.monotonic())',
+        'tests/test_vllm_offload_tier.py',
+    ),
+    (
+        'vllm tier: a failed load reported as success',
+        'storage_backends/vllm_offload/secondary_tier.py',
+        '        ok = len(loaded) == len(keys)',
+        '        ok = True',
+        'tests/test_vllm_offload_tier.py',
+    ),
+    (
+        'vllm tier: the layout left out of the directory',
+        'storage_backends/vllm_offload/secondary_tier.py',
+        '        return cls(mapper.get_run_config(), chunk_bytes)',
+        '        return cls({"model_name": "any"}, chunk_bytes)',
+        'tests/test_vllm_offload_tier.py',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu",

@@ -30,6 +30,15 @@ MP_LOOKUP_CHUNKS = counter("kvtier_mp_lookup_chunks_total", "Chunks looked up (a
                            "MP server in kvtier's L2 adapter", ["result"])
 MP_LOAD_CHUNKS = counter("kvtier_mp_load_chunks_total", "Chunks LMCache's MP server asked kvtier's L2 adapter to "
                          "load: hit, miss, layout_mismatch (a chunk of another layout than the buffer)", ["result"])
+# vLLM's own offloading: kvtier's SSD tier as a secondary tier (vllm_offload/secondary_tier.py)
+VLLM_TIER_LOOKUPS = counter("kvtier_vllm_tier_lookups_total", "Chunk lookups of vLLM's tiering manager in kvtier's "
+                            "secondary tier", ["result"])
+VLLM_TIER_JOBS = counter("kvtier_vllm_tier_jobs_total", "Store and load jobs of vLLM's tiering manager finished by "
+                         "kvtier's secondary tier: ok, partial (loads: some chunks failed a check), failed",
+                         ["kind", "result"])
+VLLM_TIER_LOAD_CHUNKS = counter("kvtier_vllm_tier_load_chunks_total", "Chunks vLLM's tiering manager asked kvtier's "
+                                "secondary tier to load: loaded, or failed (evicted since the lookup, or failing a "
+                                "check: vLLM recomputes them)", ["result"])
 HOST_POOL_EXHAUSTED = counter("kvtier_host_pool_exhausted_total",
                               "Allocations in LMCache's host pool (max_local_cpu_size) that failed even after "
                               "eviction, by what needed the room (store: a chunk LMCache could not store; "

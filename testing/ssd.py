@@ -85,3 +85,23 @@ def fail_journal_writes(monkeypatch, tier, err: int = errno.ENOSPC) -> dict:
 
     monkeypatch.setattr(os, "write", write)
     return state
+
+
+def flip_a_byte_in_every_slot(ssd) -> int:
+    """Flip one data byte in every committed slot the SSD tier holds (header intact: only the CRC can tell)."""
+    from pathlib import Path
+
+    n = 0
+    for f in Path(ssd).rglob("slots-*.dat"):
+        slot = int(f.name.split("-")[1].rstrip("k")) * 1024
+        with open(f, "r+b") as fh:
+            for base in range(0, f.stat().st_size - slot + 1, slot):
+                fh.seek(base)
+                if fh.read(8) != b"KVTSLOT1":
+                    continue
+                fh.seek(base + 4096 + 1000)
+                b = fh.read(1)
+                fh.seek(base + 4096 + 1000)
+                fh.write(bytes([b[0] ^ 0x40]))
+                n += 1
+    return n

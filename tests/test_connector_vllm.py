@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier.testing.lmcache_yaml import write_lmcache_yaml  # noqa: E402
+from kvtier.testing.ssd import flip_a_byte_in_every_slot  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -145,24 +146,6 @@ def test_engine_multi_turn_identical_tokens_and_hits_by_tier(compat_runs):
     if hit_source_labels() is not None:  # vLLM >= 0.32 counts external hits by source
         src = run["cached_by_source"]
         assert src.get("host", 0) == host and src.get("disk", 0) == ssd, src
-
-
-def flip_a_byte_in_every_slot(ssd: Path) -> int:
-    """Flip one data byte in every committed slot the SSD tier holds (header intact: only the CRC can tell)."""
-    n = 0
-    for f in ssd.rglob("slots-*.dat"):
-        slot = int(f.name.split("-")[1].rstrip("k")) * 1024
-        with open(f, "r+b") as fh:
-            for base in range(0, f.stat().st_size - slot + 1, slot):
-                fh.seek(base)
-                if fh.read(8) != b"KVTSLOT1":
-                    continue
-                fh.seek(base + 4096 + 1000)
-                b = fh.read(1)
-                fh.seek(base + 4096 + 1000)
-                fh.write(bytes([b[0] ^ 0x40]))
-                n += 1
-    return n
 
 
 def _compare(base: dict, got: dict) -> float:
