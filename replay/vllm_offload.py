@@ -34,9 +34,12 @@ class VLLMPolicy:
     """A replay name for one configuration of vLLM's CPU-offload manager."""
 
     name: str
-    cache_policy: str  #: CachePolicyFactory name: "lru" or "arc"
+    cache_policy: str  #: CachePolicyFactory name: "lru" or "arc", or a class of `cache_policy_module_path`
     store_threshold: int = 0  #: >= 2: admit a chunk only once it was offered that often
+    cache_policy_module_path: str | None = None  #: set for kvtier's policies plugged into vLLM's manager
 
+
+KVTIER_POLICY_MODULE = "kvtier.storage_backends.vllm_offload.cache_policy"
 
 #: The vLLM configurations the replay and the benchmark compare against.
 VLLM_POLICIES: dict[str, VLLMPolicy] = {
@@ -46,6 +49,13 @@ VLLM_POLICIES: dict[str, VLLMPolicy] = {
         VLLMPolicy("vllm-arc", "arc"),
         VLLMPolicy("vllm-lru-t2", "lru", store_threshold=2),
         VLLMPolicy("vllm-arc-t2", "arc", store_threshold=2),
+        # kvtier's policies inside vLLM's manager, loaded as vLLM loads them in production
+        # (`eviction_policy` + `cache_policy_module_path`, kvtier.storage_backends.vllm_offload.cache_policy)
+        VLLMPolicy("vllm+adaptive", "KVTierAdaptive", cache_policy_module_path=KVTIER_POLICY_MODULE),
+        VLLMPolicy("vllm+answer-length", "KVTierAnswerLength", cache_policy_module_path=KVTIER_POLICY_MODULE),
+        VLLMPolicy("vllm+arc", "KVTierARC", cache_policy_module_path=KVTIER_POLICY_MODULE),
+        VLLMPolicy("vllm+s3fifo", "KVTierS3FIFO", cache_policy_module_path=KVTIER_POLICY_MODULE),
+        VLLMPolicy("vllm+lru", "KVTierLRU", cache_policy_module_path=KVTIER_POLICY_MODULE),
     )
 }
 
@@ -115,7 +125,8 @@ def simulate(
     if host_blocks <= 0:
         raise ValueError(f"{policy}: the host tier needs at least one chunk")
     mgr = CPUOffloadingManager(
-        num_chunks=host_blocks, cache_policy=cfg.cache_policy, store_threshold=cfg.store_threshold
+        num_chunks=host_blocks, cache_policy=cfg.cache_policy, store_threshold=cfg.store_threshold,
+        cache_policy_module_path=cfg.cache_policy_module_path,
     )
     seen: set[int] = set()
     accesses = host_hits = ssd_hits = misses = evictions = 0

@@ -464,6 +464,20 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         '        return cls({"model_name": "any"}, chunk_bytes)',
         'tests/test_vllm_offload_tier.py',
     ),
+    (
+        'vllm policy: a request\'s reuse not passed to the kvtier policy',
+        'storage_backends/vllm_offload/cache_policy.py',
+        '            if key in reused_keys and key in self.chunks:',
+        '            if False:',
+        'tests/test_vllm_offload_policy.py',
+    ),
+    (
+        'vllm policy: evict ignores vLLM\'s protected chunks',
+        'storage_backends/vllm_offload/cache_policy.py',
+        'lambda k: k in self._evictable and k not in protected)',
+        'lambda k: k in self._evictable)',
+        'tests/test_vllm_offload_policy.py',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu",
