@@ -26,7 +26,7 @@ def manager(cls: str, chunks: int):
 
 
 def request(mgr, n: int, keys: list[int]) -> list[str]:
-    """One request over `keys` with the calls vLLM's scheduler-side connector makes; 'hit' / 'store' / 'skip' per key."""
+    """One request over `keys` with the calls vLLM's scheduler-side connector makes; hit, store or skip per key."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     ctx = ReqContext(req_id=f"r{n}")
