@@ -36,6 +36,8 @@ def check(path: str) -> str:
     with open(path) as f:
         head = f.read(4096).lstrip()
     if path.endswith(".json") or head.startswith("{"):
+        if '"OffloadingConnector"' in head:
+            return check_vllm_offloading_json(path)
         if '"kv_connector"' in head:
             return check_vllm_json(path)
         return check_l2_adapter(path)
@@ -208,6 +210,95 @@ def check_vllm_json(path: str, block_size: int = 16) -> str:
     return (f"OK: {path}: vLLM connector {CONNECTOR_NAME}, LMCache config {cfg.config_file}, SSD tier at "
             f"{cfg.kvtier.ssd_path} ({cfg.kvtier.ssd_capacity_gb:g} GiB), chunk_size {cfg.chunk_size}, "
             f"vLLM {versions.installed.vllm}, LMCache {versions.installed.lmcache} ({versions.verdict.value}){note}")
+
+
+def check_vllm_offloading_json(path: str) -> str:
+    """Validate a vLLM `--kv-transfer-config` JSON for vLLM's own offloading (`OffloadingConnector` with
+    `TieringOffloadingSpec`) naming kvtier's secondary tier and/or CPU cache policy: kvtier's keys as the tier parses
+    them at start, the SSD directory created and checked (O_DIRECT probed), vLLM's own tiers resolved by vLLM."""
+    from kvtier.storage_backends.config import parse_adapter_params
+    from kvtier.storage_backends.vllm_offload import POLICY_MODULE, TIER_CLASS, TIER_MODULE, tier_directory
+
+    spec = _json_object(path, "a --kv-transfer-config")
+    if spec.get("kv_role") != "kv_both":
+        raise ConfigError(f"{path}: \"kv_role\" must be \"kv_both\" (offloading both saves and loads), got "
+                          f"{spec.get('kv_role')!r}")
+    extra = spec.get("kv_connector_extra_config")
+    if not isinstance(extra, dict):
+        raise ConfigError(f"{path}: \"kv_connector_extra_config\" must be a JSON object")
+    if extra.get("spec_name") != "TieringOffloadingSpec":
+        raise ConfigError(f"{path}: kv_connector_extra_config.spec_name must be \"TieringOffloadingSpec\" for "
+                          f"secondary tiers, got {extra.get('spec_name')!r}")
+    cpu = extra.get("cpu_bytes_to_use")
+    if isinstance(cpu, bool) or not isinstance(cpu, int | float) or cpu <= 0:
+        raise ConfigError(f"{path}: kv_connector_extra_config.cpu_bytes_to_use must be a positive number of bytes "
+                          f"(the CPU tier's size), got {cpu!r}")
+    if int(extra.get("store_threshold", 0)) >= 2:
+        raise ConfigError(f"{path}: kv_connector_extra_config.store_threshold >= 2 is refused by "
+                          "TieringOffloadingSpec")
+    from kvtier.compat import guard
+
+    try:
+        versions = guard.check(guard.COMPONENT_VLLM_TIER)
+    except guard.UnsupportedVersion as e:
+        raise ConfigError(str(e)) from None
+    parts = []
+    if extra.get("cache_policy_module_path") == POLICY_MODULE:
+        from kvtier.storage_backends.vllm_offload.cache_policy import CLASSES
+
+        name = extra.get("eviction_policy")
+        if name not in CLASSES:
+            raise ConfigError(f"{path}: kv_connector_extra_config.eviction_policy must name one of kvtier's CPU "
+                              f"cache policies ({', '.join(sorted(CLASSES))}), got {name!r}")
+        parts.append(f"CPU tier {cpu / GIB:g} GiB with kvtier's {CLASSES[name]} policy")
+    else:
+        parts.append(f"CPU tier {cpu / GIB:g} GiB with vLLM's {extra.get('eviction_policy', 'lru')!r} policy")
+    tiers = extra.get("secondary_tiers", [])
+    if not isinstance(tiers, list) or not all(isinstance(t, dict) for t in tiers):
+        raise ConfigError(f"{path}: kv_connector_extra_config.secondary_tiers must be a list of JSON objects")
+    note = ""
+    for i, tier in enumerate(tiers):
+        where = f"secondary_tiers[{i}]"
+        if tier.get("module_path") != TIER_MODULE:
+            if tier.get("type") == TIER_CLASS:
+                raise ConfigError(f"{path}: {where}.module_path must be {TIER_MODULE!r} for kvtier's tier, got "
+                                  f"{tier.get('module_path')!r}")
+            from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+            try:
+                SecondaryTierFactory.get_tier_class(tier)
+            except (ValueError, ImportError, AttributeError, AssertionError) as e:
+                raise ConfigError(f"{path}: {where}: vLLM rejects this tier: {e}") from None
+            parts.append(f"vLLM's {tier.get('type')!r} tier")
+            continue
+        if tier.get("type") != TIER_CLASS:
+            raise ConfigError(f"{path}: {where}.type must be {TIER_CLASS!r}, got {tier.get('type')!r}")
+        params = {k: v for k, v in tier.items() if k not in ("type", "module_path", "backpressure", "locality")}
+        kv = parse_adapter_params(params, where=f"secondary_tiers[type={TIER_CLASS}]")
+        directory = tier_directory(kv.ssd_path)
+        from kvtier.storage_backends.ssd.directory import prepare_directory
+        from kvtier.storage_backends.ssd.posix_io import probe_o_direct
+
+        prepare_directory(kv.ssd_path)
+        prepare_directory(directory)
+        untold = None
+        if kv.o_direct:
+            try:
+                untold = probe_o_direct(directory)
+            except OSError as e:
+                raise ConfigError(f"{path}: {where}.o_direct: the file system of {directory} refuses O_DIRECT "
+                                  f"({e.strerror}); put ssd_path on a real disk, or set \"o_direct\": false") from None
+        note += capacity_note(kv, f"{where}.ssd_capacity_gb") + (f"; warning: {untold}" if untold else "")
+        parts.append(f"kvtier's SSD tier at {directory} ({kv.ssd_capacity_gb:g} GiB, eviction={kv.eviction_policy}, "
+                     f"durable_writes={kv.durable_writes})")
+    if not any(p.startswith("kvtier") or "kvtier's" in p for p in parts):
+        raise ConfigError(f"{path}: neither a secondary tier nor the CPU cache policy is kvtier's")
+    policy = spec.get("kv_load_failure_policy")
+    if policy != "recompute":
+        note += (f"; note: kv_load_failure_policy is {policy or 'unset (vLLM default: fail)'}: set \"recompute\" so "
+                 "that a chunk failing its checks is recomputed")
+    return (f"OK: {path}: vLLM OffloadingConnector (TieringOffloadingSpec): {'; '.join(parts)}; vLLM "
+            f"{versions.installed.vllm} ({versions.verdict.value}){note}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,7 +32,8 @@ def configs(tmp_path, monkeypatch):
 
 
 def test_every_kind_of_config_is_shipped():
-    assert {"lmcache-kvtier.yaml", "lmcache-mp-l2-kvtier.json", "vllm-kv-transfer.json"} <= set(SHIPPED)
+    assert {"lmcache-kvtier.yaml", "lmcache-mp-l2-kvtier.json", "vllm-kv-transfer.json",
+            "vllm-offloading-kvtier.json"} <= set(SHIPPED)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -49,6 +50,12 @@ def _named_classes(text: str, suffix: str) -> list[tuple[str, str]]:
         return [(extra[k], extra[k.replace(".module_path", ".class_name")]) for k in extra
                 if k.startswith("storage_plugin.") and k.endswith(".module_path")]
     spec = json.loads(text)
+    if spec.get("kv_connector") == "OffloadingConnector":
+        extra = spec["kv_connector_extra_config"]
+        named = [(t["module_path"], t["type"]) for t in extra.get("secondary_tiers", []) if "module_path" in t]
+        if "cache_policy_module_path" in extra:
+            named.append((extra["cache_policy_module_path"], extra["eviction_policy"]))
+        return named
     if "kv_connector" in spec:
         return [(spec["kv_connector_module_path"], spec["kv_connector"])]
     return [(spec["module_path"], spec["class_name"])] if spec.get("type") == "plugin" else []

@@ -202,3 +202,31 @@ def test_a_store_job_finishes_only_once_its_chunks_are_committed(vt, tmp_path, m
         gate.set()
         h.settle()
         assert tier.job_results == {("store", "ok"): 1} and len(tier.tier) == 3
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x: x["secondary_tiers"][0].update(ssd_capcity_gb=3), "ssd_capcity_gb"),
+    (lambda x: x["secondary_tiers"][0].update(module_path="kvtier.connector"), "module_path"),
+    (lambda x: x.update(eviction_policy="KVTierMRU"), "eviction_policy"),
+    (lambda x: x.update(spec_name="CPUOffloadingSpec"), "spec_name"),
+    (lambda x: x.update(cpu_bytes_to_use=0), "cpu_bytes_to_use"),
+    (lambda x: x["secondary_tiers"].append({"type": "nfs"}), "Unknown secondary tier"),
+])
+def test_check_config_names_the_bad_key_of_the_offloading_json(tmp_path, change, message):
+    """`kvtier check-config` on configs/vllm-offloading-kvtier.json: OK as shipped, and each mistake named."""
+    import json
+    from pathlib import Path
+
+    from kvtier.cli.check_config import check
+    from kvtier.storage_backends.config import ConfigError
+
+    shipped = json.loads((Path(__file__).resolve().parents[1] / "configs" / "vllm-offloading-kvtier.json").read_text())
+    shipped["kv_connector_extra_config"]["secondary_tiers"][0]["ssd_path"] = str(tmp_path / "ssd")
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps(shipped))
+    assert check(str(ok)).startswith("OK: ")
+    change(shipped["kv_connector_extra_config"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(shipped))
+    with pytest.raises(ConfigError, match=message):
+        check(str(bad))

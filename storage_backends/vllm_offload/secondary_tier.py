@@ -56,11 +56,10 @@ from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.config import ConfigError, parse_adapter_params
 from kvtier.storage_backends.ssd.directory import prepare_directory
 from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
+from kvtier.storage_backends.vllm_offload import SUBDIR, tier_directory
 
 logger = logging.getLogger(__name__)
 
-#: the tiers' directory under ssd_path (apart from the connector's worker<r>-of-<w> and LMCache's directories)
-SUBDIR = "vllm-offload"
 #: the layout description kept beside the slot files, for an operator
 LAYOUT_FILE = "layout.json"
 _LOAD_THREADS = 2
@@ -127,7 +126,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self.layout = ChunkLayout.of(offloading_spec, self.block_size_bytes)
         self._view = primary_kv_view.cast("B")  # (chunks, row bytes) -> bytes; chunk c at c * strides[0]
         prepare_directory(cfg.ssd_path)
-        prepare_directory(f"{cfg.ssd_path}/{SUBDIR}")
+        prepare_directory(tier_directory(cfg.ssd_path))
         fmt = self.layout.fmt
         self.tier = SSDTier(cfg, self.block_size_bytes, layout_ok=lambda meta: meta.fmt == fmt,
                             subdir=f"{SUBDIR}/{self.layout.directory_name}")
