@@ -80,8 +80,12 @@ class EngineProcess:
         args_path = workdir / f"{name}.args.json"
         args_path.write_text(json.dumps(args))
         self._log = open(self.log_path, "w")
+        # LMCache's in-process engine sets PROMETHEUS_MULTIPROC_DIR in os.environ of whatever process built one
+        # (a test run's pytest): inherited, it would put the workers' metric values in files that this engine's
+        # samples do not read. An engine gets it only when `env` asks for it.
+        base = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.testing.vllm_engine", str(args_path)],
-                                     cwd=workdir, env={**os.environ, **ENGINE_ENV, **(env or {})},
+                                     cwd=workdir, env={**base, **ENGINE_ENV, **(env or {})},
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, start_new_session=True)
         self._lines: queue.Queue = queue.Queue()
