@@ -15,6 +15,9 @@
 #   5. transfer overlap (#14): a forward-like bf16 matmul step loop alone, with a concurrent page-first load
 #      (per-page copy_) on a copy stream, and with the Triton scatter kernel on a copy stream: step slowdown,
 #      load GB/s, overlap factor, pages bit-exact after the overlapped loads (benchmarks/transfer_overlap.py).
+#   6. where vLLM imports: vLLM's OffloadingConnector + TieringOffloadingSpec with kvtier's secondary tier and CPU
+#      policy, engine level (benchmarks/vllm_offload_engine.py: identical tokens, a restart served by kvtier's
+#      tier); vLLM refuses that connector on its CPU platform, so this is the only place it runs.
 #
 # Needs python with CUDA torch + triton only (no vLLM, no LMCache). kvtier is imported from this checkout
 # through a temporary directory holding a symlink named `kvtier` (the repo root is never put on sys.path).
@@ -92,5 +95,13 @@ timeout 120 "$PY" "$ROOT/benchmarks/gpu_crc.py" --json "$OUTDIR/crc.json" 2>&1 |
 
 log "5/5 transfer overlap (forward-like steps with a concurrent load on a copy stream)"
 timeout 120 "$PY" "$ROOT/benchmarks/transfer_overlap.py" --json "$OUTDIR/overlap.json" 2>&1 | tee "$OUTDIR/overlap.log"
+
+log "6/6 vLLM's own offloading path with kvtier's secondary tier and CPU policy (engine level; needs vLLM)"
+if "$PY" -c "import vllm" >/dev/null 2>&1; then
+  timeout 600 "$PY" "$ROOT/benchmarks/vllm_offload_engine.py" --workdir "$OUTDIR/offload-engine" 2>&1 \
+    | grep -E '^\[(ok|FAIL)\]|^cached by source|^not runnable' | tee "$OUTDIR/offload-engine.log"
+else
+  log "skipped: vLLM does not import here (the engine-level run of issue 27 needs a GPU machine with vLLM)"
+fi
 
 log "done; results in $OUTDIR"

@@ -239,6 +239,8 @@ def _serve(args_path: str) -> None:
     guard_llvmlite_for_vllm_kernel_scan()
     from vllm import LLM, SamplingParams
 
+    from kvtier.connector.kvtier_connector import KVTierConnector
+
     llm = LLM(model=args["model"], **dict(LLM_DEFAULTS, **args["llm"]))
     conn = llm.llm_engine.engine_core.engine_core.scheduler.connector if hasattr(
         llm.llm_engine.engine_core, "engine_core") else None
@@ -259,11 +261,11 @@ def _serve(args_path: str) -> None:
                 if cmd["logprobs"]:
                     rec["logprobs"] = [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)]
                 out["outputs"].append(rec)
-            if cmd["flush"] and conn is not None:  # queued saves and SSD writes land before the next command
+            if cmd["flush"] and isinstance(conn, KVTierConnector):  # queued saves and SSD writes land first
                 conn.scheduler_side.flush(120)
                 out["drained_seconds"] = time.perf_counter() - t0
         else:  # stats
-            out = conn.scheduler_side.snapshot() if conn is not None else {}
+            out = conn.scheduler_side.snapshot() if isinstance(conn, KVTierConnector) else {}
             from kvtier.connector.metrics import kvtier_samples
 
             out["metrics"] = kvtier_samples()
