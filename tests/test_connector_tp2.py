@@ -6,7 +6,8 @@ chunks, so histories come back from the SSD tier); run 2, a new engine over run 
 byte flipped in every slot of rank 1 only. Asserted: identical greedy tokens in every run; one SSD directory per rank,
 each with the chunks of its half of the KV; kvtier's hit tokens per tier equal vLLM's own hit-source counters; in
 run 2 rank 1's loads fail their checksums and exactly the blocks of those loads go back to vLLM for recomputation
-(rank 0's good chunks cannot stand in for rank 1's).
+(rank 0's good chunks cannot stand in for rank 1's); run 3, with rank 1's SSD tier emptied, offers vLLM no external
+token although rank 0 holds them all (the tier hint takes the slowest rank).
 
 vLLM on CPU binds each worker's OpenMP threads to a NUMA node of its own by default and refuses TP 2 on one node:
 the engines run with `VLLM_CPU_OMP_THREADS_BIND=nobind`, as a one-socket CPU user would.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import random
 import re
+import shutil
 import uuid
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from kvtier.testing.lmcache_yaml import write_lmcache_yaml  # noqa: E402
 from kvtier.testing.ssd import flip_a_byte_in_every_slot  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.needs("vllm_cpu_engine")]
+pytestmark = [pytest.mark.slow, pytest.mark.compat, pytest.mark.needs("vllm_cpu_engine")]
 
 CHUNK = 32
 #: bytes of one chunk on one rank: K/V x layers x tokens x (2 KV heads / 2 ranks) x head dim x fp32
@@ -72,6 +74,15 @@ def runs(tmp_path_factory):
     out["slots"] = {d.name: sum(f.stat().st_size > 0 for f in d.glob("slots-*.dat")) for d in ssd.iterdir()}
     out["flipped"] = flip_a_byte_in_every_slot(ssd / "worker1-of-2")
     out["run2"] = run(work, "run2", model, convs, kv())
+    # run 3: rank 1's SSD tier emptied, rank 0's kept; only the turn-2 prompts, in a new engine
+    shutil.rmtree(ssd / "worker1-of-2")
+    turn1 = out["baseline"]["batches"][:3]
+    prompts = [convs[b[0]["conv"]][0] + b[0]["tokens"] + convs[b[0]["conv"]][1] for b in turn1]
+    llm = dict(LLM_KW, kv_transfer_config=kv(), scheduler_cls="kvtier.scheduler_hooks.DualQueueScheduler")
+    with EngineProcess(work, "run3", model, llm=llm, env=ENV, watchdog_s=500) as eng:
+        eng.ready(600)
+        out["run3"] = {"outputs": [eng.generate([p], 16)["outputs"][0] for p in prompts], **eng.stats(),
+                       "log": eng.log_text()}
     return out
 
 
@@ -109,3 +120,20 @@ def test_a_rank_whose_loads_fail_sends_exactly_its_blocks_back_for_recomputation
     assert back[0] == 0 and back[1] > 0, back
     assert m.get("kvtier_connector_load_error_blocks_total", 0) == back[1], (m, back)
     assert r2["cached_by_source"].get("disk", 0) == m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0)
+
+
+def test_the_tier_hint_takes_the_slowest_rank(runs):
+    """Run 3: rank 0 still holds every chunk on its SSD tier, rank 1 holds none. The usable prefix is the one every
+    rank can load, so vLLM is offered no external token (rather than rank 0's prefix and then rank 1's failed
+    loads), rank 0 reads nothing, and the tokens still equal TP 2 without a connector."""
+    r3 = runs["run3"]
+    start = {int(r): int(n) for r, n in re.findall(r"worker rank (\d): .*? SSD tier at .*? \((\d+) chunks\)",
+                                                     r3["log"])}
+    assert start[0] > 0 and start[1] == 0, start
+    assert [o["tokens"] for o in r3["outputs"]] == [b[0]["tokens"] for b in runs["baseline"]["batches"][3:]]
+    m = r3["metrics"]
+    assert [o["cached"] for o in r3["outputs"]] == [0, 0, 0], (r3["outputs"], m)
+    assert m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0) == 0, m
+    assert r3["cached_by_source"].get("disk", 0) == 0, r3["cached_by_source"]
+    assert m.get("kvtier_connector_load_error_blocks_total", 0) == 0, m
+    assert m.get("kvtier_ssd_hits_total", 0) == 0, m
