@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.compat.vllm_hit_sources import hit_source_labels  # noqa: E402
 from kvtier.testing.lmcache_yaml import write_lmcache_yaml  # noqa: E402
 from kvtier.testing.ssd import flip_a_byte_in_every_slot  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama  # noqa: E402
@@ -102,8 +103,9 @@ def test_one_ssd_directory_per_rank_and_hits_per_tier_equal_vllms_counters(runs)
     ssd = m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0)
     host = m.get("kvtier_connector_hit_tokens_total/tier=host", 0)
     assert ssd == 3 * HISTORY_BLOCKS * CHUNK, m  # every turn-2 history from the SSD tier (host tier: 2 chunks)
-    src = r1["cached_by_source"]
-    assert src.get("disk", 0) == ssd and src.get("host", 0) == host, (src, m)
+    if hit_source_labels() is not None:  # vLLM >= 0.32 counts external hits by source
+        src = r1["cached_by_source"]
+        assert src.get("disk", 0) == ssd and src.get("host", 0) == host, (src, m)
     assert m.get("kvtier_ssd_hits_total", 0) == 2 * 3 * HISTORY_BLOCKS  # each chunk read by both ranks
     assert m.get("kvtier_connector_load_error_blocks_total", 0) == 0
     assert [x["cached"] for b in r1["batches"] for x in b] == [0, 0, 0] + [HISTORY_BLOCKS * CHUNK] * 3
@@ -119,7 +121,8 @@ def test_a_rank_whose_loads_fail_sends_exactly_its_blocks_back_for_recomputation
             for rank in (0, 1)}
     assert back[0] == 0 and back[1] > 0, back
     assert m.get("kvtier_connector_load_error_blocks_total", 0) == back[1], (m, back)
-    assert r2["cached_by_source"].get("disk", 0) == m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0)
+    if hit_source_labels() is not None:
+        assert r2["cached_by_source"].get("disk", 0) == m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0)
 
 
 def test_the_tier_hint_takes_the_slowest_rank(runs):
@@ -134,6 +137,6 @@ def test_the_tier_hint_takes_the_slowest_rank(runs):
     m = r3["metrics"]
     assert [o["cached"] for o in r3["outputs"]] == [0, 0, 0], (r3["outputs"], m)
     assert m.get("kvtier_connector_hit_tokens_total/tier=ssd", 0) == 0, m
-    assert r3["cached_by_source"].get("disk", 0) == 0, r3["cached_by_source"]
+    assert r3["cached_by_source"].get("disk", 0) == 0, r3["cached_by_source"]  # {} before vLLM 0.32
     assert m.get("kvtier_connector_load_error_blocks_total", 0) == 0, m
     assert m.get("kvtier_ssd_hits_total", 0) == 0, m
