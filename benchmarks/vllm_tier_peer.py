@@ -28,7 +28,6 @@ Needs vLLM (>= 0.32 with `vllm/v1/kv_offload/tiering`) and root for dropping the
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import statistics
@@ -39,25 +38,15 @@ from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
-from vllm.v1.kv_offload.base import make_offload_key
 
-from kvtier.testing.vllm_tiering import TieringHarness, fs_tier, kvtier_tier
+from kvtier.testing.host_memory import drop_page_cache
+from kvtier.testing.vllm_tiering import TieringHarness, fs_tier, kvtier_tier, offload_keys
 
 TIERS = ("kvtier", "fs")
 
 
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def disk_bytes(root: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
-
-
-def keys_for(prefix: str, n: int) -> list:
-    return [make_offload_key(hashlib.sha256(f"{prefix}-{i}".encode()).digest(), 0) for i in range(n)]
 
 
 def tier_entry(kind: str, root: Path, capacity_bytes: int) -> dict:
@@ -88,7 +77,7 @@ def one_pass(kind: str, root: Path, keys: list, chunks: list[np.ndarray], block:
     h = TieringHarness([entry], cpu_chunks=n, block_bytes=block)
     out["restart_s"] = time.perf_counter() - t0
     try:
-        drop_caches()
+        drop_page_cache()
         t0 = time.perf_counter()
         got = h.load(keys, timeout=600)
         out["load_s"] = time.perf_counter() - t0
@@ -104,7 +93,7 @@ def one_pass(kind: str, root: Path, keys: list, chunks: list[np.ndarray], block:
 def capacity_stream(kind: str, root: Path, block: int, capacity_chunks: int, batch: int) -> dict:
     """3x the capacity in batches (each settled), then every chunk looked up and loaded in batches."""
     rng = np.random.default_rng(7)
-    keys = keys_for(f"stream-{kind}", 3 * capacity_chunks)
+    keys = offload_keys(f"stream-{kind}", 3 * capacity_chunks)
     entry = tier_entry(kind, root, capacity_chunks * block)
     h = TieringHarness([entry], cpu_chunks=batch, block_bytes=block)
     try:
@@ -136,7 +125,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="paired passes")
     ap.add_argument("--capacity-chunks", type=int, default=32, help="kvtier's capacity in the capacity stream")
     args = ap.parse_args()
-    if os.geteuid() != 0:
+    if not drop_page_cache():
         print("needs root: cold loads drop the page cache", file=sys.stderr)
         return 2
     block = int(args.block_mib * (1 << 20))
@@ -144,12 +133,12 @@ def main() -> int:
     rng = np.random.default_rng(1)
     try:
         for kind in TIERS:  # warm-up, not reported: imports, thread pools, the first files of a directory
-            keys = keys_for("warm-up", 8)
+            keys = offload_keys("warm-up", 8)
             one_pass(kind, work / f"warm-up-{kind}", keys, [rng.integers(0, 256, block, dtype=np.uint8)
                                                           for _ in keys], block, 32 * block)
         rows: dict[str, list[dict]] = {k: [] for k in TIERS}
         for p in tqdm(range(args.repeats), desc="paired passes", unit="pass"):
-            keys = keys_for(f"pass-{p}", args.chunks)
+            keys = offload_keys(f"pass-{p}", args.chunks)
             chunks = [rng.integers(0, 256, block, dtype=np.uint8) for _ in keys]
             order = TIERS if p % 2 == 0 else TIERS[::-1]
             for kind in order:

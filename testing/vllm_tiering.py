@@ -11,13 +11,14 @@ Tests and benchmarks only (imports vLLM)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -30,6 +31,11 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 MODULE = "kvtier.storage_backends.vllm_offload.secondary_tier"
 #: bytes one worker keeps per block in the harness (a chunk is one block of one worker: 16 KiB)
 BLOCK_BYTES = 16384
+
+
+def offload_keys(prefix: str, n: int) -> list[OffloadKey]:
+    """`n` distinct keys of KV-cache group 0, the same for the same `prefix` in every process (a restart finds them)."""
+    return [make_offload_key(hashlib.sha256(f"{prefix}-{i}".encode()).digest(), 0) for i in range(n)]
 
 
 def kvtier_tier(ssd_path: str, capacity_gb: float, **params: Any) -> dict[str, Any]:

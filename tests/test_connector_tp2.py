@@ -19,6 +19,7 @@ import random
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,12 +44,15 @@ SCHEDULE = [[0], [1], [2], [0], [1], [2]]
 HISTORY_BLOCKS = 2  #: full 32-token blocks of each turn-2 prompt's history found in kvtier (70 + 16 answer tokens)
 
 
-def run(work: Path, name: str, model: Path, convs: list, kv_transfer_config: dict | None) -> dict:
+def run(work: Path, name: str, model: Path, kv_transfer_config: dict | None,
+        drive: Callable[[EngineProcess], dict]) -> dict:
+    """One TP 2 engine (kvtier's connector and scheduler hook when `kv_transfer_config`): what `drive` returns, then
+    the engine's stats and its log."""
     sched = "kvtier.scheduler_hooks.DualQueueScheduler" if kv_transfer_config else None
     llm = dict(LLM_KW, kv_transfer_config=kv_transfer_config, scheduler_cls=sched)
     with EngineProcess(work, name, model, llm=llm, env=ENV, watchdog_s=500) as eng:
         eng.ready(600)
-        out = {"batches": run_conversations(eng, convs, SCHEDULE, 16)}
+        out = drive(eng)
         out.update(eng.stats())
         out["log"] = eng.log_text()
     return out
@@ -70,20 +74,20 @@ def runs(tmp_path_factory):
                 "engine_id": f"kvtier-tp2-{uuid.uuid4().hex[:8]}", "kv_connector_extra_config": {
                     "config_file": str(yaml_path)}}
 
-    out = {"ssd": ssd, "baseline": run(work, "baseline", model, convs, None),
-           "run1": run(work, "run1", model, convs, kv())}
+    def chats(eng: EngineProcess) -> dict:
+        return {"batches": run_conversations(eng, convs, SCHEDULE, 16)}
+
+    out = {"ssd": ssd, "baseline": run(work, "baseline", model, None, chats),
+           "run1": run(work, "run1", model, kv(), chats)}
     out["slots"] = {d.name: sum(f.stat().st_size > 0 for f in d.glob("slots-*.dat")) for d in ssd.iterdir()}
     out["flipped"] = flip_a_byte_in_every_slot(ssd / "worker1-of-2")
-    out["run2"] = run(work, "run2", model, convs, kv())
+    out["run2"] = run(work, "run2", model, kv(), chats)
     # run 3: rank 1's SSD tier emptied, rank 0's kept; only the turn-2 prompts, in a new engine
     shutil.rmtree(ssd / "worker1-of-2")
     turn1 = out["baseline"]["batches"][:3]
     prompts = [convs[b[0]["conv"]][0] + b[0]["tokens"] + convs[b[0]["conv"]][1] for b in turn1]
-    llm = dict(LLM_KW, kv_transfer_config=kv(), scheduler_cls="kvtier.scheduler_hooks.DualQueueScheduler")
-    with EngineProcess(work, "run3", model, llm=llm, env=ENV, watchdog_s=500) as eng:
-        eng.ready(600)
-        out["run3"] = {"outputs": [eng.generate([p], 16)["outputs"][0] for p in prompts], **eng.stats(),
-                       "log": eng.log_text()}
+    out["run3"] = run(work, "run3", model, kv(),
+                      lambda eng: {"outputs": [eng.generate([p], 16)["outputs"][0] for p in prompts]})
     return out
 
 

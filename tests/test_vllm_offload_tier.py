@@ -8,7 +8,6 @@ layout never reading the chunks, strict configuration, and jobs drained at shutd
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 
@@ -25,12 +24,6 @@ def vt():
     return vllm_tiering
 
 
-def keys_of(prefix: str, n: int) -> list[bytes]:
-    from vllm.v1.kv_offload.base import make_offload_key
-
-    return [make_offload_key(hashlib.sha256(f"{prefix}-{i}".encode()).digest(), 0) for i in range(n)]
-
-
 def chunks_of(seed: int, n: int, nbytes: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(n)]
@@ -45,7 +38,7 @@ def slots_gb(slots: int, block: int) -> float:
 def test_stores_persist_and_load_bit_exact_after_a_restart(vt, tmp_path):
     """vLLM's cascade stores each primary chunk into kvtier's tier; a new manager on the same path (a restarted
     engine: an empty primary tier) finds every chunk and promotes it bit-exact into its primary chunks."""
-    keys, data = keys_of("a", 6), chunks_of(1, 6, vt.BLOCK_BYTES)
+    keys, data = vt.offload_keys("a", 6), chunks_of(1, 6, vt.BLOCK_BYTES)
     with vt.TieringHarness([vt.kvtier_tier(tmp_path / "ssd", 0.01)], cpu_chunks=8) as h:
         assert h.store(keys, data) == keys
         h.settle()
@@ -67,7 +60,7 @@ def test_capacity_held_under_a_store_stream_three_times_the_tier(vt, tmp_path):
     bound by default), its files within the capacity, and the newest chunks survive a restart bit-exact."""
     cap = 10
     cfg = vt.kvtier_tier(tmp_path / "ssd", slots_gb(cap, vt.BLOCK_BYTES))
-    keys, data = keys_of("s", 3 * cap), chunks_of(2, 3 * cap, vt.BLOCK_BYTES)
+    keys, data = vt.offload_keys("s", 3 * cap), chunks_of(2, 3 * cap, vt.BLOCK_BYTES)
     with vt.TieringHarness([cfg], cpu_chunks=4) as h:
         tier = h.tiers[0]
         assert tier.tier.max_slots == cap
@@ -90,7 +83,7 @@ def test_a_flipped_byte_is_a_miss_that_vllm_recomputes(vt, tmp_path):
     in MISS (it recomputes), no primary chunk is ever handed out, and the damaged chunks leave the tier."""
     from kvtier.testing.ssd import flip_a_byte_in_every_slot
 
-    keys, data = keys_of("f", 4), chunks_of(3, 4, vt.BLOCK_BYTES)
+    keys, data = vt.offload_keys("f", 4), chunks_of(3, 4, vt.BLOCK_BYTES)
     cfg = vt.kvtier_tier(tmp_path / "ssd", 0.01)
     with vt.TieringHarness([cfg]) as h:
         h.store(keys, data)
@@ -113,7 +106,7 @@ def test_a_full_disk_fails_store_jobs_without_an_exception_into_vllm(vt, tmp_pat
         raise OSError(errno.ENOSPC, "No space left on device")
 
     real = os.posix_fallocate
-    keys, data = keys_of("d", 6), chunks_of(4, 6, vt.BLOCK_BYTES)
+    keys, data = vt.offload_keys("d", 6), chunks_of(4, 6, vt.BLOCK_BYTES)
     with vt.TieringHarness([vt.kvtier_tier(tmp_path / "ssd", 0.01, grow_step_mb=1)]) as h:
         tier = h.tiers[0]
         monkeypatch.setattr(os, "posix_fallocate", no_room)
@@ -135,7 +128,7 @@ def test_a_full_disk_fails_store_jobs_without_an_exception_into_vllm(vt, tmp_pat
 def test_another_layout_never_reads_the_chunks(vt, tmp_path):
     """Another model (or dtype, chunk size, parallelism) on the same ssd_path gets a directory of its own: it finds
     none of the first model's chunks, and the first model still finds all of them."""
-    keys, data = keys_of("m", 3), chunks_of(5, 3, vt.BLOCK_BYTES)
+    keys, data = vt.offload_keys("m", 3), chunks_of(5, 3, vt.BLOCK_BYTES)
     cfg = vt.kvtier_tier(tmp_path / "ssd", 0.01)
     with vt.TieringHarness([cfg], model="org/model-a") as h:
         h.store(keys, data)
@@ -175,7 +168,7 @@ def test_a_planted_symlink_is_refused_at_start(vt, tmp_path):
 
 def test_shutdown_drains_the_jobs_in_flight(vt, tmp_path, monkeypatch):
     """`shutdown` (and vLLM's `reset_cache`, through `drain_jobs`) waits for every store in flight: all committed."""
-    keys, data = keys_of("x", 8), chunks_of(6, 8, vt.BLOCK_BYTES)
+    keys, data = vt.offload_keys("x", 8), chunks_of(6, 8, vt.BLOCK_BYTES)
     cfg = vt.kvtier_tier(tmp_path / "ssd", 0.01)
     h = vt.TieringHarness([cfg], cpu_chunks=8)
     h.store(keys, data)
@@ -191,7 +184,7 @@ def test_a_store_job_finishes_only_once_its_chunks_are_committed(vt, tmp_path, m
     writes commit, so the job must not finish earlier (a reused primary chunk would put other bytes on the disk)."""
     from kvtier.testing.ssd import hold_writer
 
-    keys, data = keys_of("w", 3), chunks_of(7, 3, vt.BLOCK_BYTES)
+    keys, data = vt.offload_keys("w", 3), chunks_of(7, 3, vt.BLOCK_BYTES)
     with vt.TieringHarness([vt.kvtier_tier(tmp_path / "ssd", 0.01)]) as h:
         tier = h.tiers[0]
         gate = hold_writer(monkeypatch, tier.tier)
