@@ -39,7 +39,6 @@ import numpy as np
 from kvtier.replay.runner import ReplayClock, build_policy, host_key_sequence, parse_capacity, simulate
 from kvtier.replay.traces import TraceRequest, read_trace, unique_blocks
 from kvtier.storage_backends.eviction.answer_length import AnswerLengthPolicy
-from kvtier.storage_backends.eviction.answer_length.features import with_odds
 from kvtier.storage_backends.eviction.sessions import Session
 
 logger = logging.getLogger(__name__)
@@ -260,16 +259,21 @@ def occupancy_report(tune: Sequence[TraceRequest], blocks: int) -> None:
 
 
 # -------------------------------------------------------------------------------------------------------- bounds
+def with_odds(p: float, r: float) -> float:
+    """Probability p with its odds scaled by r (r = 0: never)."""
+    return r * p / (1.0 - p + r * p) if r > 0.0 else 0.0
+
+
 class SessionOddsPolicy(AnswerLengthPolicy):
     """answer-length with an outside odds ratio on each session's next-turn hit chance (an analysis hook, never in
     serving): `session_odds(chain, answer_tokens)` is called when a turn finishes, and a number it returns scales
     the odds of that session's hit chance until its next turn (0: it will not return; None, NaN or a negative
-    number: no opinion). It applies after the reuse predictor's correction."""
+    number: no opinion)."""
 
     def __init__(self, session_odds: Callable[[Sequence, int], float | None], **kw) -> None:
         super().__init__(**kw)
         self.session_odds = session_odds
-        self._outside: dict[int, tuple[object, float]] = {}  # session id -> (the turn it was given after, odds)
+        self._outside: dict[int, tuple[int, float]] = {}  # session id -> (depth of the turn it was given after, odds)
 
     def on_request_finished(self, chain, answer_tokens: int, now: float | None = None) -> None:
         s = self.sessions.session_of_chain(chain) if chain else None
@@ -278,14 +282,14 @@ class SessionOddsPolicy(AnswerLengthPolicy):
             if r is None or not r >= 0.0:
                 self._outside.pop(s.sid, None)
             else:
-                self._outside[s.sid] = (s.turn, float(r))
+                self._outside[s.sid] = (s.depth, float(r))
         super().on_request_finished(chain, answer_tokens, now)
 
     def _hit_chance(self, u, hits: float) -> float:
         hits = super()._hit_chance(u, hits)
         if u.__class__ is Session and hits > 0.0:
             o = self._outside.get(u.sid)
-            if o is not None and o[0] is u.turn:  # a later turn replaced the turn it was given after: no opinion
+            if o is not None and o[0] == u.depth:  # a later turn replaced the turn it was given after: no opinion
                 hits = with_odds(hits, o[1])
         return hits
 

@@ -96,7 +96,6 @@ ABLATION: list[tuple[str, str, dict]] = [
     ("- s3fifo expert", OURS, {"experts": ("answer-length", "arc", "lru")}),
     ("- lru expert", OURS, {"experts": ("answer-length", "arc", "s3fifo")}),
 ] + [(f"- {label}", OURS, {"answer_length": kw}) for label, kw in (
-    ("reuse predictor", {"use_predictor": False}),
     ("answer length (bound, timing)", {"use_answer_length": False}),
     ("answer-length timing rows", {"answer_timing": False}),
     ("pace timing rows", {"gap_timing": False}),
@@ -322,7 +321,7 @@ def _answer_length_bounds() -> dict[str, int]:
 
     cfg = AnswerLengthConfig()
     return {"sessions": cfg.max_sessions, "ghost_trace": cfg.ghost_window, "reuse_items": cfg.max_items,
-            "predictor_samples": cfg.predictor_window, "ghost_keys": cfg.max_ghost_keys, "ctx": cfg.max_ctx}
+            "ghost_keys": cfg.max_ghost_keys, "ctx": cfg.max_ctx}
 
 
 # ------------------------------------------------------------------ report

@@ -4,7 +4,6 @@ synthetic conversations (it must use the signals)."""
 
 from __future__ import annotations
 
-import bisect
 import random
 
 import pytest
@@ -13,7 +12,6 @@ from kvtier.replay.runner import ReplayClock, simulate
 from kvtier.replay.traces import TraceRequest
 from kvtier.storage_backends.eviction import make_policy
 from kvtier.storage_backends.eviction.answer_length import AnswerLengthConfig, AnswerLengthPolicy
-from kvtier.storage_backends.eviction.answer_length.features import logit
 from kvtier.storage_backends.eviction.ghost_cache import GhostBelady, ReuseBuckets, key_hash, key_sample
 from kvtier.storage_backends.eviction.reuse_model import ReuseModel
 from kvtier.storage_backends.eviction.sessions import SessionTracker
@@ -78,23 +76,6 @@ def test_ghost_first_run_comes_early_then_the_cadence_holds():
                 runs_at[id(g)].append(i + 1)
     assert runs_at[id(default)] == [512, 768, 1024]
     assert runs_at[id(early)] == [64, 512, 768, 1024]
-
-
-def test_label_horizon_follows_new_accesses_and_runs():
-    """label_horizon() is cached between changes; a new access (the window's span) and a Belady run (its hit
-    chances) both change it."""
-    ghost = GhostBelady(BUCKETS, sample_rate=1, window=10_000, refresh=10_000, min_label_horizon=1.0)
-    for i in range(60):
-        ghost.record(("k", i), float(i), 1)
-    assert ghost.label_horizon() == 29.5  # no run yet: half the window's span
-    for i in range(60):
-        ghost.record(("k", i), 60.0 + i, 1)  # 60 reuses 60 s apart through one slot: Belady hits at most one
-    ghost.record("last", 400.0, 1)
-    assert ghost.label_horizon() == 200.0
-    ghost.rerun(1)
-    assert ghost.hit_prob[3] <= 1 / 60 and ghost.label_horizon() == 50.0  # where the optimum stops hitting
-    ghost.max_label_horizon = 20.0
-    assert ghost.label_horizon() == 20.0
 
 
 # ------------------------------------------------------------------ reuse model
@@ -303,7 +284,7 @@ def test_first_victims_are_dead_chunks():
 def test_memory_of_learning_state_is_bounded():
     cfg = AnswerLengthConfig(
         max_sessions=50, ghost_window=256, ghost_refresh=64, max_items=100, max_ghost_keys=100,
-        ghost_sample_rate=1, predictor_window=300, predictor_refit=64,
+        ghost_sample_rate=1,
     )
     clock = ReplayClock()
     p = AnswerLengthPolicy(clock=clock, config=cfg)
@@ -326,12 +307,11 @@ def test_memory_of_learning_state_is_bounded():
         p.on_request_finished(r.hash_ids, r.output_length, r.timestamp)
         m = p.memory_items()
         assert m["ghost_trace"] <= 256 and m["reuse_items"] <= 100 and m["ghost_keys"] <= 100
-        assert m["predictor_samples"] <= 300
         assert m["heap"] <= 4 * m["units"] + 4096
         assert m["sessions"] <= 50 + 64  # sessions holding resident chunks are never forgotten
         assert m["ctx"] == 0  # no request in flight between requests
         assert len(p) == used <= 64
-    assert p.predictor.samples_seen > 300 and p.predictor.fits > 0  # it did learn, within its window
+    assert p.ghost.runs > 10 and p.stats()["ghost_runs"] == p.ghost.runs  # it did learn, within its window
 
 
 def test_collected_victims_and_reinsertion():
@@ -362,106 +342,14 @@ def test_orphans_without_request_calls():
     assert len(v) == 4 and len(set(v)) == 4
 
 
-# ------------------------------------------------------------------ ghost labels and the reuse predictor
-
-
-def test_ghost_labels_are_beladys_decisions():
-    """A world where the optimum's choice is known: two slots; every 3 s an "a" key is read and read again 1 s
-    later, with one first touch of a "b" key in between; "b" keys are read again 30 s later. Belady keeps each "a"
-    until its reuse (a hit) and never keeps a "b" through 30 s of "a" traffic: the next "b" pushes it out, as the
-    "a" in between is needed sooner (a miss). Accesses never followed by another are labelled False. Labels
-    arrive once the access is label_horizon() old, one per access."""
-    got = []
-    ghost = GhostBelady(BUCKETS, sample_rate=1, window=10_000, refresh=10_000,
-                        label_sink=lambda ctx, label, gap: got.append((ctx, label, gap)), min_label_horizon=60.0)
-    ghost.max_label_horizon = 60.0
-    events = []
-    for i in range(60):
-        t = 3.0 * i
-        events += [(t, ("a", i), ("a-first", i)), (t + 0.5, ("b", i), ("b-first", i)),
-                   (t + 1.0, ("a", i), ("a-again", i))]
-        if i < 40:
-            events.append((t + 30.5, ("b", i), ("b-again", i)))
-    events.sort(key=lambda e: e[0])
-    for t, key, ctx in events:
-        ghost.record(key, t, 2, context=ctx)
-    ghost.record("end", 400.0, 2)  # moves the window's end past every label horizon
-    ghost.rerun(2)
-    by = {}
-    for (kind, i), label, gap in got:
-        by.setdefault(kind, []).append((i, label, gap))
-    assert {k: len(v) for k, v in by.items()} == {"a-first": 60, "b-first": 60, "a-again": 60, "b-again": 40}
-    assert all(label and gap == 1.0 for _, label, gap in by["a-first"])  # kept until its reuse: a Belady hit
-    assert all(not label and gap == 30.0 for i, label, gap in by["b-first"] if i < 40)  # the optimum missed it
-    assert all(not label and gap is None for i, label, gap in by["b-first"] if i >= 40)  # never read again
-    assert all(not label and gap is None for _, label, gap in by["a-again"] + by["b-again"])
-
-
-def test_ghost_labels_come_only_from_the_past():
-    """No look-ahead: every label is emitted at least label_horizon() after its access, and a reuse it reports
-    had already happened when it was emitted (the emission time is the newest access the ghost has seen)."""
-    now = [0.0]
-    emitted = []
-    ghost = GhostBelady(BUCKETS, sample_rate=1, window=512, refresh=64,
-                        label_sink=lambda ctx, label, gap: emitted.append((ctx, gap, now[0], ghost.label_horizon())))
-    rng = random.Random(5)
-    for i in range(4000):
-        now[0] = i * 0.5
-        ghost.record(rng.randrange(300), now[0], 16, context=now[0])
-    assert len(emitted) > 1000 and ghost.runs > 10
-    for t_access, gap, t_emit, horizon in emitted:
-        assert t_emit - t_access >= min(horizon, ghost.min_label_horizon) - 1e-9
-        assert gap is None or t_access + gap <= t_emit
-
-
-def _returning_world(n_sessions: int = 700, seed: int = 2, gap: float = 4.0) -> list[TraceRequest]:
-    """Sessions every 2 s; every one has a second turn 10 s after the first that adds one chunk, with the same
-    answer lengths and pace. Only the *length of the history* tells what comes next: sessions with a long first
-    prompt (12 chunks) come back for a third turn `gap` s later; short ones (3 chunks) never do. The class model
-    (depth x new chunks, answer x pace) sees one class at turn 2; the chain length is a predictor feature."""
-    rng = random.Random(seed)
-    events, nid = [], 1
-    for s in range(n_sessions):
-        t0 = 2.0 * s
-        n = 12 if rng.random() < 0.5 else 3
-        first = [0] + list(range(nid, nid + n))
-        nid += n
-        second = first + [nid]
-        nid += 1
-        events += [(t0, tuple(first), 80), (t0 + 10.0, tuple(second), 80)]
-        if n == 12:
-            events.append((t0 + 10.0 + gap, tuple(second + [nid]), 80))
-            nid += 1
-    events.sort(key=lambda e: e[0])
-    return [TraceRequest(i, t, c, 512 * len(c), a, 0, None, 1) for i, (t, c, a) in enumerate(events)]
-
-
-SMALL_GHOST = dict(ghost_sample_rate=1, ghost_window=4096, ghost_refresh=512, predictor_refit=128)
-
-
-def test_predictor_learns_what_the_classes_cannot_see():
-    reqs = _returning_world(gap=12.0)
-    with_p, pol = _replay(reqs, "answer-length", 60, **SMALL_GHOST)
-    without, _ = _replay(reqs, "answer-length", 60, **SMALL_GHOST, use_predictor=False)
-    st = pol.stats()
-    assert st["predictor_fits"] > 0 and st["predictor_on"], st  # it trained on ghost labels and earned its place
-    assert with_p > 1.04 * without, (with_p, without, st)
-    # the correction it learned: a long history is worth keeping at turn 2, a short one is not, although both are
-    # the same class (and the same timing row)
-    long_x = pol.session_features(pol.turn_features(2, 2, 14, 10.0, hits=3), 80)
-    short_x = pol.session_features(pol.turn_features(2, 2, 5, 10.0, hits=3), 80)
-    assert pol._row_of(long_x) == pol._row_of(short_x)
-    assert pol._odds(long_x) > 2.0 * pol._odds(short_x)
-
-
-def test_predictor_without_signal_stays_out():
-    """Where its features add nothing to the classes (the conversations above: answer length and depth are class
-    signals already), progressive validation keeps the correction off and the hit rate is the class model's."""
-    reqs = conversations(600, seed=9)
-    with_p, pol = _replay(reqs, "answer-length", 120, **SMALL_GHOST)
-    without, _ = _replay(reqs, "answer-length", 120, **SMALL_GHOST, use_predictor=False)
-    assert pol.stats()["predictor_fits"] > 0
-    assert with_p >= without - 0.01, (with_p, without, pol.stats())
+def test_retired_knobs_are_refused():
+    """The reuse predictor's knobs went with it (issue 29): a configuration that still names one fails loudly, for
+    the policy and for adaptive's answer-length expert alike, instead of being ignored."""
+    for key in ("use_predictor", "predictor_window", "gate_margin", "max_label_delay", "use_chain"):
+        with pytest.raises(ValueError, match=rf"answer-length: unknown option\(s\) \['{key}'\]"):
+            make_policy("answer-length", clock=lambda: 0.0, **{key: 1})
+    with pytest.raises(ValueError, match=r"answer-length: unknown option\(s\) \['use_predictor'\]"):
+        make_policy("adaptive", clock=lambda: 0.0, answer_length={"use_predictor": False})
 
 
 def test_no_look_ahead_in_replays():
@@ -490,7 +378,7 @@ def test_no_look_ahead_in_replays():
     assert len(part) > 100 and full[: len(part)] == part
 
 
-# ------------------------------------------------------------------ sampling hash and hot-path caches
+# ------------------------------------------------------------------ sampling hash
 
 
 def test_ghost_salt_draws_another_sample():
@@ -505,32 +393,3 @@ def test_ghost_salt_draws_another_sample():
     seen = {e[0] for e in pol.ghost._trace}
     assert seen and all(key_hash(k, 3) % 4 == 0 for k in seen)
     assert any(key_hash(k) % 4 for k in seen)  # not the default sample
-
-
-def test_label_offsets_are_cached_only_while_tables_and_ghost_stand():
-    """The class model's label offsets are cached per feature tuple; every cached value must equal a fresh
-    computation, also after the tables and the ghost moved on."""
-    reqs = conversations(200, seed=4)
-    clock = ReplayClock()
-    pol = AnswerLengthPolicy(clock=clock, config=AnswerLengthConfig(**SMALL_GHOST))
-    pol.set_capacity(80)
-
-    def fresh(x):
-        row = pol._row_of(x)
-        b = bisect.bisect_right(pol._edges, pol.ghost.label_horizon())
-        h = pol._hits.item(row, 0)
-        if b < len(pol._edges):
-            h -= pol._surv.item(row, b) * pol._hits.item(row, b)
-        return logit(h)
-
-    checked = 0
-    half = len(reqs) // 2
-    for part in (reqs[:half], reqs[half:]):
-        xs = list(pol.predictor._counts)
-        for x in xs:
-            pol._offset_of(x)  # fill the cache with the current stamp
-        simulate(part, pol, 80, clock=clock)  # tables refresh, the ghost reruns
-        for x in xs + list(pol.predictor._counts):
-            assert pol._offset_of(x) == fresh(x), x
-            checked += 1
-    assert pol.ghost.runs > 1 and checked > 20

@@ -1,16 +1,11 @@
 """The ghost cache: Belady replayed over a sliding window of recent accesses. It learns per reuse-time bucket how
-likely a reuse with that reuse time is a hit for the optimal policy at the tier's capacity, and it *labels* past
-accesses for a reuse predictor: was keeping this chunk from this access to its next one worth it to the optimum?
+likely a reuse with that reuse time is a hit for the optimal policy at the tier's capacity.
 
 Only the past is used: the window holds accesses that already happened; Belady's "future" is the future *inside*
-the window. A sampled access is labelled once, when the window has run `label_horizon()` seconds past it (all
-labels at the same age, so they are not biased towards early reuses): True if the optimum hit its next access
-(which the window then shows), False if it missed it or there was none yet (the optimum hardly keeps anything that
-long at this capacity). To keep it cheap and its memory bounded,
-keys are spatially sampled (one key in `sample_rate`, by a hash of the key, as in SHARDS) and the ghost capacity
-is scaled by the same factor. Belady reruns after every `refresh` sampled accesses (once the window holds two
-refreshes' worth). Memory: at most `window` sampled
-accesses (key, time, context) plus the per-bucket counters.
+the window. To keep it cheap and its memory bounded, keys are spatially sampled (one key in `sample_rate`, by a
+hash of the key, as in SHARDS) and the ghost capacity is scaled by the same factor. Belady reruns after every
+`refresh` sampled accesses (once the window holds two refreshes' worth). Memory: at most `window` sampled accesses
+(key, time) plus the per-bucket counters.
 """
 
 from __future__ import annotations
@@ -20,9 +15,8 @@ import heapq
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +135,8 @@ def belady_run(keys: Sequence[Hashable], capacity: int) -> tuple[list[bool], lis
     return out, nxt
 
 
-#: Called with (context, label, reuse time or None) for each labelled access.
-LabelSink = Callable[[Any, bool, "float | None"], None]
-
-
 class GhostBelady:
-    """Sampled sliding-window Belady that estimates P(hit | reuse-time bucket) and labels past accesses."""
+    """Sampled sliding-window Belady that estimates P(hit | reuse-time bucket)."""
 
     def __init__(
         self,
@@ -155,8 +145,6 @@ class GhostBelady:
         window: int = 16384,
         refresh: int = 2048,
         smoothing: float = 0.5,
-        label_sink: LabelSink | None = None,
-        min_label_horizon: float = 30.0,
     ) -> None:
         if window < 2 or refresh < 1:
             raise ValueError("ghost window must be >= 2 and refresh >= 1")
@@ -167,37 +155,29 @@ class GhostBelady:
         #: sampled accesses before the first run (default: two refreshes' worth, or the window if smaller)
         self.first_run = min(self.window, 2 * self.refresh)
         self.smoothing = smoothing
-        self.label_sink = label_sink
-        self.min_label_horizon = min_label_horizon
-        self.max_label_horizon = math.inf
-        self._trace: deque[list] = deque(maxlen=self.window)  # [key, time, context or None once labelled]
+        self._trace: deque[tuple[Hashable, float]] = deque(maxlen=self.window)  # (key, time)
         self._since = 0
         self.runs = 0
-        self.labels = 0
         K = len(buckets)
         self._reuses = [0.0] * K
         self._hits = [0.0] * K
         #: P(hit | bucket); optimistic 1.0 until the first run
         self.hit_prob: list[float] = [1.0] * K
         self.last_capacity = 0
-        self._version = 0  # bumped by every new access and run: label_horizon() is cached between bumps
-        self._lh: tuple[int, float, float, float] | None = None  # (version, min, max, horizon)
 
     def memory_items(self) -> int:
         return len(self._trace)
 
-    def record(self, key: Hashable, now: float, capacity_blocks: int, context: Any = None) -> bool:
-        """Record one access (with the context its label goes back to, if any); reruns Belady when due. True when
-        it reran."""
+    def record(self, key: Hashable, now: float, capacity_blocks: int) -> bool:
+        """Record one access; reruns Belady when due. True when it reran."""
         if not key_sample(key, self.sample_rate):
             return False
-        return self.record_sampled(key, now, capacity_blocks, context)
+        return self.record_sampled(key, now, capacity_blocks)
 
-    def record_sampled(self, key: Hashable, now: float, capacity_blocks: int, context: Any = None) -> bool:
+    def record_sampled(self, key: Hashable, now: float, capacity_blocks: int) -> bool:
         """`record` for a key the caller already knows is sampled (`key_sample(key, sample_rate)`)."""
-        self._trace.append([key, now, context])
+        self._trace.append((key, now))
         self._since += 1
-        self._version += 1
         if (len(self._trace) >= self.first_run if not self.runs
                 else self._since >= self.refresh and len(self._trace) >= min(self.window, 2 * self.refresh)):
             self._since = 0
@@ -205,37 +185,18 @@ class GhostBelady:
             return True
         return False
 
-    def label_horizon(self) -> float:
-        """How old a sampled access is when it gets its label: the reuse time beyond which the optimum hardly hits
-        (hit_prob <= 2%), within [min_label_horizon, max_label_horizon], and at most half the time the window
-        spans (older accesses leave the window unlabelled)."""
-        lh = self._lh
-        if lh is not None and lh[0] == self._version and lh[1] == self.min_label_horizon \
-                and lh[2] == self.max_label_horizon:
-            return lh[3]
-        h = self.buckets.horizon
-        for b, p in enumerate(self.hit_prob):
-            if p <= 0.02:
-                h = self.buckets.lower(b)
-                break
-        h = min(self.max_label_horizon, max(self.min_label_horizon, h))
-        if self._trace:
-            h = min(h, (self._trace[-1][1] - self._trace[0][1]) / 2)
-        self._lh = (self._version, self.min_label_horizon, self.max_label_horizon, h)
-        return h
-
     def rerun(self, capacity_blocks: int) -> None:
         cap = max(1, int(round(capacity_blocks / self.sample_rate)))
         self.last_capacity = cap
         trace = list(self._trace)
         keys = [e[0] for e in trace]
-        hits, nxt = belady_run(keys, cap)
+        hits = belady_hits(keys, cap)
         K = len(self.buckets)
         reuses = [0.0] * K
         hit_n = [0.0] * K
         prev: dict[Hashable, float] = {}
         idx = self.buckets.index
-        for (k, t, _), h in zip(trace, hits):
+        for (k, t), h in zip(trace, hits):
             p = prev.get(k)
             prev[k] = t
             if p is None:
@@ -261,30 +222,7 @@ class GhostBelady:
                 cur = 0.0  # beyond what the window can show
             out.append(cur)
         self.hit_prob = out
-        self._version += 1
-        if self.label_sink is not None and trace:
-            self._label(trace, hits, nxt)
         logger.debug("ghost belady run %d: cap=%d window=%d hit_prob=%s", self.runs, cap, len(trace), out)
-
-    def _label(self, trace: list[list], hits: list[bool], nxt: list[float]) -> None:
-        """Label the accesses that are `label_horizon()` old (each access once, all at the same age, so the
-        labels are not biased towards early reuses): True if the optimum hit the next access."""
-        sink = self.label_sink
-        cut = trace[-1][1] - self.label_horizon()
-        for i, e in enumerate(trace):
-            if e[1] > cut:
-                break
-            ctx = e[2]
-            if ctx is None:
-                continue
-            e[2] = None
-            self.labels += 1
-            j = nxt[i]
-            if j != math.inf:
-                j = int(j)
-                sink(ctx, hits[j], trace[j][1] - e[1])
-            else:
-                sink(ctx, False, None)
 
     def stats(self) -> GhostStats:
         return GhostStats(self.runs, len(self._trace), self.last_capacity, list(self._reuses), list(self._hits))

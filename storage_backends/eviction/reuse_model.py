@@ -221,14 +221,12 @@ class ReuseModel:
 
     def tables(
         self, hit_prob: list[float], rows: np.ndarray | None = None, stay_prob: list[float] | None = None,
-        with_survival: bool = False,
-    ) -> tuple[np.ndarray, ...]:
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(hits, occupancy), one row per hazard row (default: `hazards_array()`), K + 1 columns (the last:
         beyond the horizon, 0). hits[r][e]: P(the next reuse happens, in bucket b >= e, and would be a hit | no
         reuse before e) = sum_b hazard_b * prod_{e<=j<b}(1 - hazard_j) * hit_prob_b, the *hit potential*.
         occupancy[r][e]: expected seconds still held from bucket e on, where `stay_prob` (default `hit_prob`:
-        the chunk is held as long as the optimum would hold such a wait) is the chance of still being cached.
-        `with_survival`: also survival[r][e] = prod_{j<e}(1 - hazard_j), P(no reuse before bucket e)."""
+        the chunk is held as long as the optimum would hold such a wait) is the chance of still being cached."""
         rows = self.hazards_array() if rows is None else np.asarray(rows, dtype=float)
         K = len(self.buckets)
         h = np.asarray(hit_prob, dtype=float)
@@ -245,11 +243,7 @@ class ReuseModel:
             acc_o = stay[k] * widths[k] * (1.0 - 0.5 * lam) + (1.0 - lam) * acc_o
             hits[:, k] = acc_h
             occ[:, k] = acc_o
-        if not with_survival:
-            return hits, occ
-        surv = np.ones((R, K + 1))
-        surv[:, 1:] = np.cumprod(1.0 - rows, axis=1)
-        return hits, occ, surv
+        return hits, occ
 
     def potential_table(self, hit_prob: list[float], rows: list[list[float]] | None = None) -> list[list[float]]:
         """table[c][e]: hit potential of a class-c item that has waited into bucket e (e = K: beyond horizon).

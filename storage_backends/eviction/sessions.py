@@ -27,7 +27,7 @@ class Session:
 
     __slots__ = (
         "sid", "depth", "chain_len", "first_key", "tail_keys", "last_time", "answer_tokens", "keys", "new_blocks",
-        "prev_gap", "turn", "item", "cls", "lb", "x", "ver", "filed", "nbytes", "entry", "until", "epoch",
+        "prev_gap", "item", "cls", "lb", "ver", "filed", "nbytes", "entry", "until", "epoch",
         "__weakref__",
     )
 
@@ -43,11 +43,9 @@ class Session:
         self.new_blocks = 0  #: keys the latest turn added to the chain (the user's new input, roughly)
         self.prev_gap: float | None = None  #: seconds between the two latest turns (None after a first turn)
         # Set by the eviction policy:
-        self.turn = None  #: what the policy knows about the latest turn (its features)
         self.item = None  #: the reuse-model item waiting for the next turn
         self.cls = -1  #: row of the policy's score tables (its class, timed once the answer is known)
         self.lb = 0  #: reuse-time bucket the next turn cannot come before (answer-length lower bound)
-        self.x: tuple | None = None  #: the reuse predictor's features of this wait
         self.ver = 0  #: bumped whenever the policy re-scores the session (stale heap entries are skipped)
         self.filed = False  #: has a live entry in the policy's eviction heap
         self.nbytes = 0  #: total size of the resident history chunks (kept by the policy)

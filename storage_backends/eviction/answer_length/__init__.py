@@ -1,5 +1,5 @@
-"""Answer-length-aware eviction (after Bidaw's previous-answer-based eviction) with a ghost cache and a reuse
-predictor trained on the ghost's Belady labels (after Learning Relaxed Belady, NSDI'20).
+"""Answer-length-aware eviction (after Bidaw's previous-answer-based eviction) with a ghost cache that replays
+Belady over a sample of recent accesses.
 
 What it evicts: the unit with the lowest *hit density* (LHD-style; `score="potential"` gives Bidaw's plain hit
 potential instead): expected hits per byte-second it will still occupy the tier, from
@@ -22,16 +22,10 @@ where e is the bucket of the time waited so far.
 - The previous answer's length prunes: per answer-length bucket the policy learns a low quantile of the observed
   times to the next turn (a lower bound: a long answer takes long to read); a session whose next turn cannot have
   come yet is scored as if it had waited until that bound, and pays for the idle time until then.
-- **Whether** the wait pays off at all (two thirds of all chunks are never read again) is where the class hazards
-  are weakest. The reuse predictor (`reuse_predictor.ReusePredictor`) corrects them: a logistic regression over the
-  features the traces carry (chunk kind, depth, new chunks in the turn, chain length, previous answer length, the
-  user's pace, how much of the session's history the turn found resident, a shared chunk's read count), trained on
-  the ghost's labels (for sampled past accesses: did the optimum, at this tier's capacity, hit the next access?),
-  with the class model's own chance of such a hit as its offset. It learns only what the features add to the
-  classes; its odds ratio scales each unit's hit chance (hits' = r h / (1 - h + r h)). Progressive validation
-  gates it: each new label is first predicted with and without the correction, and the correction is applied
-  only while it has predicted recent labels better by `gate_margin` nats (so it cannot make things worse where its
-  features carry nothing the classes do not already say).
+- **Whether** the wait pays off at all (two thirds of all chunks are never read again) is the class hazards' to
+  say too: surviving every bucket to the horizon is the class's chance of no reuse at all. (A reuse predictor
+  trained on the ghost's Belady labels, after Learning Relaxed Belady, once corrected the classes' hit chances; it
+  added nothing on any rolling fold and was removed: docs/results/2026-12-03-eviction-rolling-folds.md.)
 
 Units: a session's resident history chunks are evicted together as one unit, deepest chunk first (the prefix
 stays useful longest); tail/shared/orphan chunks are units of their own.
@@ -39,7 +33,7 @@ stays useful longest); tail/shared/orphan chunks are units of their own.
 Cost: a unit's score only changes when it is touched, when the tables are refreshed, or when its age crosses a
 reuse-time bucket edge. Units sit in a min-heap of scores and a second heap of bucket-crossing times re-scores
 them lazily, so a decision is O(log units) plus the crossings that fell due, and an access is O(1) (plus a sampled
-ghost record; Belady reruns and predictor refits are amortised over thousands of accesses).
+ghost record; Belady reruns are amortised over thousands of accesses).
 
 Sessions come from `on_request(chain, now)` / `on_request_finished(chain, answer_tokens, now)` (the connector
 calls them; in LMCache-only use the tier calls `on_request` with the prefix chain of a lookup, and sessions are
@@ -47,19 +41,18 @@ inferred from chains, see `sessions.py`). Without any request calls every chunk 
 orphan class's learned density and recency.
 
 No future information: every estimate comes from calls already made (the ghost's Belady sees only the window of
-past accesses; a label is given only once the window has run `label delay` seconds past the access).
+past accesses).
 
-Memory bounds (all configurable): `max_sessions` session records, `ghost_window` sampled accesses,
-`predictor_window` labelled samples, `max_items` waiting reuse items, `max_ghost_keys` remembered evicted chunk
-items, `max_ctx` announced-but-not-inserted chunks, O(classes x buckets) counters.
+Memory bounds (all configurable): `max_sessions` session records, `ghost_window` sampled accesses, `max_items`
+waiting reuse items, `max_ghost_keys` remembered evicted chunk items, `max_ctx` announced-but-not-inserted chunks,
+O(classes x buckets) counters.
 
-Modules: `config` (the knobs), `features` (bucket edges, chunk kinds, the predictor's features, the units),
-`scoring` (score tables and the score heap), `learning` (the ghost's sample, its labels and the reuse predictor),
-`policy` (the policy: the tier contract and the session signals).
+Modules: `config` (the knobs), `features` (bucket edges, chunk kinds, the units), `scoring` (score tables and the
+score heap), `learning` (the ghost's sample), `policy` (the policy: the tier contract and the session signals).
 """
 
 from kvtier.storage_backends.eviction.answer_length.config import AnswerLengthConfig
-from kvtier.storage_backends.eviction.answer_length.features import FEATURES, KeyUnit, Turn
+from kvtier.storage_backends.eviction.answer_length.features import KeyUnit
 from kvtier.storage_backends.eviction.answer_length.policy import AnswerLengthPolicy
 
-__all__ = ["FEATURES", "AnswerLengthConfig", "AnswerLengthPolicy", "KeyUnit", "Turn"]
+__all__ = ["AnswerLengthConfig", "AnswerLengthPolicy", "KeyUnit"]

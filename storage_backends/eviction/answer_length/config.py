@@ -23,17 +23,6 @@ class AnswerLengthConfig:
     use_elapsed: bool = True  #: condition on the time waited so far (off: only class and recency)
     use_ghost: bool = True  #: weight reuse buckets by the ghost Belady hit probability (off: h = 1)
     score: str = "density"  #: "density": expected hits per byte-second held (LHD-like); "potential": P(hit)
-    use_predictor: bool = True  #: the ghost-trained reuse predictor corrects the classes' hit chances
-    use_chain: bool = True  #: predictor feature: chunks in the chain
-    use_hit_history: bool = True  #: predictor feature: share of the session's history the turn found resident
-    use_reads: bool = True  #: predictor feature: a shared/orphan chunk's read count
-    l2: float = 1.0  #: predictor's L2 penalty (pulls the correction towards none)
-    predictor_window: int = 16384  #: labelled samples it learns from (a sliding window)
-    predictor_refit: int = 1024  #: refit after this many new labels
-    max_label_delay: float = 3600.0  #: an access is labelled at most this long after it happened
-    gate_margin: float = 0.005  #: the correction applies while it beats the class model by this many nats/label
-    gate_min_labels: float = 500.0  #: ... measured on at least this many (decayed) fresh labels
-    gate_decay: float = 0.999  #: weight of older labels in that comparison, per label
     ghost_sample_rate: int = 0  #: one key in N is replayed by the ghost; 0: N = capacity / ghost_capacity (>= 1)
     ghost_capacity: int = 160  #: the ghost's sampled capacity when the rate is automatic (SHARDS, fixed size)
     ghost_window: int = 16384

@@ -1,6 +1,6 @@
 """`AnswerLengthPolicy`: the tier contract and the session signals; its units, what they are filed under, and
 what a request or a chunk access does to them. The score tables and heap are `scoring.ScoreTables`, the ghost's
-sample and the reuse predictor `learning.GhostLearning` (see the package docstring for how it decides)."""
+sampling `learning.GhostLearning` (see the package docstring for how it decides)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ from kvtier.storage_backends.eviction.answer_length.config import AnswerLengthCo
 from kvtier.storage_backends.eviction.answer_length.features import (
     ANSWER_EDGES,
     DEPTH_EDGES,
-    FEATURES,
     GAP_EDGES,
-    HIST,
     NEW_EDGES,
     ORPHAN,
     SHARE_EDGES,
@@ -33,7 +31,6 @@ from kvtier.storage_backends.eviction.answer_length.scoring import ScoreTables
 from kvtier.storage_backends.eviction.base import EvictionPolicy, Key, register_policy
 from kvtier.storage_backends.eviction.ghost_cache import _MASK, _MIX, GhostBelady, ReuseBuckets, key_hash
 from kvtier.storage_backends.eviction.reuse_model import ReuseModel
-from kvtier.storage_backends.eviction.reuse_predictor import ReusePredictor
 from kvtier.storage_backends.eviction.sessions import Session, SessionTracker
 
 logger = logging.getLogger(__name__)
@@ -80,15 +77,7 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
             self.buckets, n_classes, prior_of=self._family.__getitem__, max_items=cfg.max_items,
             prior_strength=cfg.prior_strength, n_timing=self._n_timing,
         )
-        self.predictor = ReusePredictor(
-            FEATURES, offset_of=self._offset_of, window=cfg.predictor_window, refit_every=cfg.predictor_refit,
-            l2=cfg.l2,
-        )
-        self.ghost = GhostBelady(
-            self.buckets, cfg.ghost_sample_rate or 8, cfg.ghost_window, cfg.ghost_refresh,
-            label_sink=self._on_label if cfg.use_predictor else None,
-        )
-        self.ghost.max_label_horizon = cfg.max_label_delay
+        self.ghost = GhostBelady(self.buckets, cfg.ghost_sample_rate or 8, cfg.ghost_window, cfg.ghost_refresh)
         self._salt = int(cfg.ghost_salt)
         self.sessions = SessionTracker(cfg.max_sessions)
         self._keys: dict[Key, Session | KeyUnit] = {}  # resident key -> its unit
@@ -100,19 +89,12 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
         self._ctx: dict[Key, tuple[Session, bool]] = {}  # in-flight chain key -> (session, is tail)
         self._ghost_items: OrderedDict[Key, tuple] = OrderedDict()  # evicted chunk -> (item, kind, count)
         self._limbo: dict[Key, tuple[Session | KeyUnit, int]] = {}  # yielded by victims(), not removed yet
-        self._off_cache: dict[tuple, float] = {}  # feature tuple -> _offset_of, for one (epoch, ghost version)
-        self._off_stamp: tuple | None = None
         self._hits = np.zeros((0, 0))  # per table row and elapsed bucket: expected hits from there on
         self._occ: np.ndarray | None = None  # ... and expected occupancy (density score only)
-        self._surv = np.zeros((0, 0))  # ... and P(no reuse before the bucket)
         self._h: list[float] = []
         # answer bucket -> histogram of observed next-turn reuse-time buckets; -> lower-bound bucket
         self._lb_hist = [[0] * (len(self.buckets) + 1) for _ in range(len(ANSWER_EDGES) + 1)]
         self._lb_bucket = [0] * (len(ANSWER_EDGES) + 1)
-        # progressive validation of the predictor: decayed log-loss gain over the class model on new labels
-        self._gate_gain = 0.0
-        self._gate_n = 0.0
-        self._gate_open = False
         self._req_seq = 0
         self._answers = 0
         self._since_refresh = 0
@@ -134,8 +116,6 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
 
     def _set_key_unit(self, u: KeyUnit, cls: int, now: float) -> None:
         u.cls = cls
-        turn = u.owner.turn if (u.kind == TAIL and u.owner is not None) else None
-        u.x = self._features(turn, u.kind, u.count)
         self._rescore(u, now)
 
     def _touch_key_unit(self, u: KeyUnit, now: float) -> None:
@@ -180,8 +160,6 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
                 hist[min(self.buckets.index(now - s.item.start), len(hist) - 1)] += 1
         s.lb = 0
         s.item = None
-        s.turn = self._turn(s, chain, follow_up)
-        s.x = self._features(s.turn, HIST, 0)
         self._set_session(s, self._hist_class(s.depth, s.new_blocks), now)
         last = len(chain) - 1
         keys = self._keys
@@ -243,15 +221,11 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
                 if s.item is not None:
                     s.item.answer = a
                 s.lb = self._lb_bucket[a]
-                if s.turn is not None:
-                    s.turn.answer = 1 + a
             if self._n_timing:
                 t = self._timing_key(a, s.prev_gap)
                 if s.item is not None:
                     s.item.timing = t
                 cls = self._timed_row(cls, t)
-            if s.turn is not None:
-                s.x = self._features(s.turn, HIST, 0)
             self._set_session(s, cls, now)
 
     # ------------------------------------------------------------------ tier contract
@@ -294,7 +268,7 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
         if not self._ghost_rate:
             self._fix_rates()
         if hv % self._ghost_rate == 0:
-            self._observe(key, u, now)
+            self._observe(key, now)
 
     def on_access(self, key: Key) -> None:
         u = self._keys.get(key)
@@ -307,7 +281,7 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
         if not self._ghost_rate:
             self._fix_rates()
         if hv % self._ghost_rate == 0:
-            self._observe(key, u, now)
+            self._observe(key, now)
 
     def on_remove(self, key: Key) -> None:
         u = self._keys.pop(key, None)
@@ -405,7 +379,6 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
             "sessions": len(self.sessions),
             "ghost_trace": self.ghost.memory_items(),
             "reuse_items": self.reuse.items,
-            "predictor_samples": len(self.predictor),
             "ghost_keys": len(self._ghost_items),
             "ctx": len(self._ctx),
             "units": len(self._units),
@@ -416,11 +389,5 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
         return {
             "answers": self._answers,  #: finished requests whose answer length reached a known session
             "ghost_runs": self.ghost.runs,
-            "labels": self.ghost.labels,
-            "predictor_fits": self.predictor.fits,
-            "predictor_on": self._gate_open,
-            "predictor_gain_nats": round(self._gate_gain / self._gate_n, 4) if self._gate_n else 0.0,
-            "label_base_rate": round(self.predictor.base_rate(), 3),
-            "label_delay_s": round(self.ghost.label_horizon(), 1),
             "sessions": len(self.sessions),
         }

@@ -19,7 +19,6 @@ from kvtier.storage_backends.eviction.answer_length.features import (
     SHARE_EDGES,
     KeyUnit,
     bucket_of,
-    with_odds,
 )
 from kvtier.storage_backends.eviction.sessions import Session
 
@@ -69,7 +68,7 @@ class ScoreTables:
             timed = np.minimum(1.0, rows[: self.C_TAIL, None, :] * ratios[None, :, :])
             rows = np.vstack([rows, timed.reshape(-1, rows.shape[1])])  # row n_base + cls * n_timing + t
         self._h = self.ghost.hit_prob if cfg.use_ghost else [1.0] * len(self.buckets)
-        self._hits, occ, self._surv = self.reuse.tables(self._h, rows, with_survival=True)
+        self._hits, occ = self.reuse.tables(self._h, rows)
         self._occ = occ if cfg.score == "density" else None
         self._since_refresh = 0
         self._epoch += 1
@@ -83,10 +82,8 @@ class ScoreTables:
 
     # ------------------------------------------------------------------ scores
     def _hit_chance(self, u: Session | KeyUnit, hits: float) -> float:
-        """A unit's expected hits (> 0) with the reuse predictor's correction while its gate is open (a benchmark's
-        subclass may add its own odds here)."""
-        if self._gate_open and u.x is not None:
-            return with_odds(hits, self._odds(u.x))
+        """A unit's expected hits (> 0), as the tables give them. An analysis hook, never changed in serving:
+        `benchmarks/eviction_ceiling.py`'s subclass scales them by an outside odds ratio."""
         return hits
 
     def _rescore(self, u: Session | KeyUnit, now: float, push: bool = True) -> None:
