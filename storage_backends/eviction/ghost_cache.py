@@ -85,14 +85,8 @@ class GhostStats:
 
 
 def belady_hits(keys: Sequence[Hashable], capacity: int) -> list[bool]:
-    """Offline Belady over `keys` with `capacity` slots (unit sizes): hit flag per access."""
-    return belady_run(keys, capacity)[0]
-
-
-def belady_run(keys: Sequence[Hashable], capacity: int) -> tuple[list[bool], list[float]]:
-    """Offline Belady over `keys` with `capacity` slots: (hit flag per access, position of each key's next access,
-    inf if none). Keys with no next access are evicted first (kept in a plain list, not the heap: which of them
-    goes first changes no hit)."""
+    """Offline Belady over `keys` with `capacity` slots (unit sizes): hit flag per access. Keys with no next
+    access are evicted first (kept in a plain list, not the heap: which of them goes first changes no hit)."""
     n = len(keys)
     inf = math.inf
     nxt = [inf] * n
@@ -103,7 +97,7 @@ def belady_run(keys: Sequence[Hashable], capacity: int) -> tuple[list[bool], lis
         last[k] = i
     out = [False] * n
     if capacity <= 0:
-        return out, nxt
+        return out
     resident: dict[Hashable, float] = {}
     heap: list[tuple[float, int, Hashable]] = []
     dead: list[Hashable] = []  # residents never used again (lazily invalidated)
@@ -132,7 +126,7 @@ def belady_run(keys: Sequence[Hashable], capacity: int) -> tuple[list[bool], lis
             if len(heap) > 4 * capacity + 64:
                 heap = [(-n_, j, kk) for j, (kk, n_) in enumerate(resident.items()) if n_ != inf]
                 heapq.heapify(heap)
-    return out, nxt
+    return out
 
 
 class GhostBelady:
