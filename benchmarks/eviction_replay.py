@@ -1,8 +1,8 @@
 """Benchmark of the eviction policies on rolling-origin folds (issue 29): the figure that counts is the WORST fold.
 
     .venv/bin/python benchmarks/eviction_replay.py [--ours NAME] [--conversation PATH] [--poisson PATH] [--jobs N]
-        [--json OUT] [--quick] [--no-vllm] [--no-ablation] [--ablation-folds all|worst] [--no-cost]
-        [--cost-repeats N]
+        [--json OUT] [--quick] [--no-vllm] [--no-ablation] [--ablation-folds all|worst]
+        [--ablation-traces conversation|all] [--no-cost] [--cost-repeats N]
 
 Protocol (`kvtier.replay.folds`): a fold scores the requests of one time window only, after replaying every
 earlier request in arrival order (the tiers fill and each policy learns online, as in production); capacities are
@@ -29,13 +29,13 @@ seeds.
 Printed: (1) the fold table (hit rate per trace, fold, size and policy); (2) OURS minus the best classic policy
 (max of lru, arc, s3fifo, vllm-lru, vllm-arc) per fold and size, PASS/MISS for "OURS >= best classic - 0.2 points
 on every fold and size" (and, for information, against the -t2 variants); (3) the share of the LRU->Belady gap
-OURS closes per fold, PASS/MISS on the conversation trace's worst fold against 30 / 30 / 15% at 2 / 5 / 10%, and
-for Poisson "within 0.5 points of the best baseline (every baseline, vLLM's included) on every fold"; (4) the
-ablation (`ABLATION` rows) on the conversation trace's worst fold per size (where OURS closes the least gap) and
-on every fold; (5) cost, OURS against LRU: mean CPU per access over the conversation trace's last fold (all 30
-minutes replayed), decision p50/p99, the slowest replay, the 100k-resident-chunk micro-benchmark, and OURS's
-state after the whole trace (`memory_items()`). Exit status 0 even when a target is missed: the PASS/MISS lines
-say which.
+OURS closes per fold, PASS/MISS on the conversation trace's worst fold against 30 / 30 / 15% at 2 / 5 / 10%, and for
+Poisson "within 0.5 points of the best baseline (every baseline, vLLM's included) on every fold"; (4) the ablation
+(`ABLATION` rows) on the conversation trace's worst fold per size (where OURS closes the least gap) and on every
+fold (`--ablation-traces all`: on every trace, each on its own worst folds); (5) cost, OURS against LRU: mean CPU
+per access over the conversation trace's last fold (all 30 minutes replayed), decision p50/p99, the slowest replay,
+the 100k-resident-chunk micro-benchmark, and OURS's state after the whole trace (`memory_items()`). Exit status 0
+even when a target is missed: the PASS/MISS lines say which.
 """
 
 from __future__ import annotations
@@ -399,22 +399,24 @@ class Report:
                         print(line + "  " + self.check(wv >= -CLASSIC_MARGIN - 1e-12, f"classic {src.name}@{c}",
                                                        worst_fold=wf, margin=wv))
 
-    def gap_section(self, conversation: TraceSource | None, poisson: TraceSource | None) -> dict[str, Fold]:
-        """Prints the gap closed; returns the conversation trace's worst fold per size."""
+    def gap_section(self, conversation: TraceSource | None,
+                    poisson: TraceSource | None) -> dict[str, dict[str, Fold]]:
+        """Prints the gap closed; returns each trace's worst fold per size (where OURS closes the least gap)."""
         print(f"\n== LRU->Belady gap closed by OURS ({self.ours}), % per fold; target on the conversation trace's "
               "worst fold: " + " / ".join(f"{100 * GAP_TARGET[c]:.0f}% @{c}" for c in self.caps)
               + " (other traces: information)")
-        worst: dict[str, Fold] = {}
+        worst: dict[str, dict[str, Fold]] = {}
         for src in self.sources:
             folds = self.folds[src.name]
+            worst[src.name] = {}
             print(f"{src.name} (folds " + " ".join(self.fold_label(src, f) for f in folds) + ")")
             for c in self.caps:
                 g = {f.name: self.res.gap(src.name, f, c, self.ours) for f in folds}
                 wf, wv = worst_fold(g)
                 line = f"  @{c:<5}" + "".join(f"{_fmt(100 * g[f.name], '>8.1f'):>8}" for f in folds) + \
                     f" | worst {_fmt(100 * wv, '.1f')} ({_short(next(f for f in folds if f.name == wf))})"
+                worst[src.name][c] = next(f for f in folds if f.name == wf)
                 if src is conversation:
-                    worst[c] = next(f for f in folds if f.name == wf)
                     line += "  " + self.check(wv >= GAP_TARGET[c], f"gap {src.name}@{c}", worst_fold=wf,
                                               gap_closed=wv, target=GAP_TARGET[c])
                     line += f" (>= {100 * GAP_TARGET[c]:.0f}%)"
@@ -477,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ablation-folds", choices=["all", "worst"], default="all",
                     help="replay the ablation rows on every conversation fold (default) or on the worst fold of "
                          "each size only (chosen from the main results, then replayed)")
+    ap.add_argument("--ablation-traces", choices=["conversation", "all"], default="conversation",
+                    help="replay the ablation rows on the conversation trace only (default) or on every trace, each "
+                         "on its own worst folds")
     ap.add_argument("--no-cost", action="store_true")
     ap.add_argument("--cost-repeats", type=int, default=None,
                     help="sequential replays per policy and size for the per-access cost, median (default 3; "
@@ -533,12 +538,14 @@ def main(argv: list[str] | None = None) -> int:
                     j = Job(s, f, p, c)
                     jobs[j.key()] = j
     ablation_all = not args.no_ablation and args.ablation_folds == "all"
+    ablation_on = sources if args.ablation_traces == "all" else [conv]
     if ablation_all:
-        for f in folds[conv.name]:
-            for c in caps:
-                for _, p, kw in ablation:
-                    j = Job(conv, f, p, c, kw)
-                    jobs.setdefault(j.key(), j)
+        for s in ablation_on:
+            for f in folds[s.name]:
+                for c in caps:
+                    for _, p, kw in ablation:
+                        j = Job(s, f, p, c, kw)
+                        jobs.setdefault(j.key(), j)
     rows = run_all(list(jobs.values()), args.jobs)
     vllm_from = ""
     if use_vllm:
@@ -562,14 +569,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_ablation:
         if not ablation_all:
-            extra = [Job(conv, worst[c], p, c, kw) for c in caps for _, p, kw in ablation]
+            extra = [Job(s, worst[s.name][c], p, c, kw) for s in ablation_on for c in caps for _, p, kw in ablation]
             extra = [j for j in extra if j.key() not in {r.key() for r in res.rows}]
             res = rep.res = Results(res.rows + run_all(extra, args.jobs))
         if skipped:
             print(f"\n(ablation rows {skipped} name {OURS} with its own arguments: skipped with --ours {ours})")
-        rep.ablation_section(conv, ablation, worst, ablation_all)
+        for s in ablation_on:
+            rep.ablation_section(s, ablation, worst[s.name], ablation_all)
         out["ablation"] = {"rows": [[label, p, kw] for label, p, kw in ablation],
-                           "worst_folds": {c: f.name for c, f in worst.items()}}
+                           "worst_folds": {s.name: {c: f.name for c, f in worst[s.name].items()}
+                                           for s in ablation_on}}
 
     for f in folds[conv.name]:
         st = res.row(conv.name, f, caps[len(caps) // 2], ours).extra
