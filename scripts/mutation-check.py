@@ -492,6 +492,13 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         '        hit = max(r.hit_end for r in results)',
         'tests/test_connector_tp2.py',
     ),
+    (
+        'LMCache host policy: session signals without the adapter lock',
+        'storage_backends/lmcache/host_policy.py',
+        '            session_signals.register(self.policy, lock=self.lock)',
+        '            session_signals.register(self.policy)',
+        'tests/test_policy_wiring.py::test_host_policy_survives_session_signals_from_another_thread',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu",

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import random
+import sys
+import threading
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
@@ -88,6 +93,77 @@ def test_lmcache_host_tier_uses_a_kvtier_policy(tmp_path, policy, present):
         assert [e.lookup(s) == 16 for s in seqs] == present
     finally:
         destroy_engine(e)
+
+
+@dataclass(frozen=True)
+class _ChunkKey:  # an LMCache-like key: hashable, and every session-signal sink can take it (`to_string`)
+    chunk: int
+
+    def to_string(self) -> str:
+        return f"kvtier-test@1@0@{self.chunk:x}@bf16"
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "answer_length"])
+def test_host_policy_survives_session_signals_from_another_thread(policy):
+    """LMCache calls its host tier's policy under its own lock; session signals come from the connector's threads
+    without it. Both at once must raise nothing, and the policy must end holding exactly the cached keys (the whole
+    capacity usable). Without the adapter's lock a signal rebuilt `adaptive`'s victim order mid-scan (KeyError)."""
+    from kvtier.storage_backends.lmcache.host_policy import _adapter_class
+
+    class Entry:
+        can_evict = True
+
+    adapter = _adapter_class(policy.replace("_", "-"))()
+    cache = adapter.init_mutable_mapping()
+    recent: list[_ChunkKey] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def lmcache_side() -> None:  # what LocalCPUBackend does, under its own lock (one thread here)
+        try:
+            rnd = random.Random(1)
+            for _ in range(40_000):
+                key = _ChunkKey(rnd.randrange(2_000))
+                if key in cache:
+                    adapter.update_on_hit(key, cache)
+                else:
+                    if len(cache) >= 200:
+                        for victim in adapter.get_evict_candidates(cache, 4):
+                            del cache[victim]
+                    cache[key] = Entry()
+                    adapter.update_on_put(key)
+                recent.append(key)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+        finally:
+            done.set()
+
+    def signals_side() -> None:
+        try:
+            rnd = random.Random(2)
+            while not done.is_set():
+                chain = recent[-rnd.randrange(1, 30):]
+                session_signals.request_arrived(chain)
+                session_signals.request_finished(chain, rnd.randrange(1, 500))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: the race shows within seconds
+    threads = [threading.Thread(target=lmcache_side), threading.Thread(target=signals_side)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(old)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert len(adapter.policy) == len(cache) and all(k in adapter.policy for k in cache)
+    for victim in adapter.get_evict_candidates(cache, len(cache)):  # every cached chunk can still be evicted
+        del cache[victim]
+    assert len(cache) == 0 and len(adapter.policy) == 0
 
 
 def test_vllm_plugin_entry_point_registers_lazily():

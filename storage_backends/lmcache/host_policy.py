@@ -7,6 +7,8 @@ itself (vLLM's CPU worker rebinds Triton kernels across all loaded modules at st
 registers the policies right after LMCache's cache-policy module is first imported. LMCache-only programs call
 `register_host_policies()` once at start (`kvtier.testing.engine_factory` does). The adapter keeps LMCache's own
 dict as the store and lets the kvtier policy choose victims; session signals reach it through `session_signals`.
+LMCache calls the adapter under its own lock, but session signals come from the connector's threads without it:
+the adapter's lock orders both around every policy call, so a signal never reorders victims mid-scan.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
+import threading
 from typing import Any
 
 from kvtier.storage_backends.eviction import make_policy, production_policy_names, session_signals
@@ -34,24 +37,28 @@ def _adapter_class(policy_name: str):
 
         def __init__(self) -> None:
             self.policy = make_policy(policy_name)
-            session_signals.register(self.policy)
+            self.lock = threading.RLock()  # held around every policy call; session signals take it too
+            session_signals.register(self.policy, lock=self.lock)
             logger.info("LMCache host tier evicts with kvtier's %s policy", policy_name)
 
         def init_mutable_mapping(self) -> dict:
             return {}
 
         def update_on_hit(self, key: Any, cache_dict: dict) -> None:
-            if key in self.policy:
-                self.policy.on_access(key)
+            with self.lock:
+                if key in self.policy:
+                    self.policy.on_access(key)
 
         def update_on_put(self, key: Any) -> None:
-            if key in self.policy:
-                self.policy.on_access(key)
-            else:
-                self.policy.on_insert(key, 1)
+            with self.lock:
+                if key in self.policy:
+                    self.policy.on_access(key)
+                else:
+                    self.policy.on_insert(key, 1)
 
         def update_on_force_evict(self, key: Any) -> None:
-            self.policy.on_remove(key)
+            with self.lock:
+                self.policy.on_remove(key)
 
         def get_evict_candidates(self, cache_dict: dict, num_candidates: int = 1) -> list:
             stale = []  # keys LMCache dropped without telling the policy (non-forced removals)
@@ -64,11 +71,12 @@ def _adapter_class(policy_name: str):
                 return obj.can_evict
 
             out = []
-            for key in self.policy.victims(num_candidates, evictable):
-                out.append(key)
-                self.policy.on_remove(key)  # LMCache removes candidates without telling the policy
-            for k in stale:
-                self.policy.on_remove(k)
+            with self.lock:
+                for key in self.policy.victims(num_candidates, evictable):
+                    out.append(key)
+                    self.policy.on_remove(key)  # LMCache removes candidates without telling the policy
+                for k in stale:
+                    self.policy.on_remove(k)
             return out
 
     KVTierHostPolicy.__name__ = f"KVTierHostPolicy_{policy_name.replace('-', '_')}"
