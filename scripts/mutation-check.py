@@ -499,6 +499,13 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         '            session_signals.register(self.policy)',
         'tests/test_policy_wiring.py::test_host_policy_survives_session_signals_from_another_thread',
     ),
+    (
+        'session signals: a failing policy stops the fan-out and reaches the caller',
+        'storage_backends/eviction/session_signals.py',
+        '        except Exception:\n            _failed(policy)\n',
+        '        except Exception:\n            raise\n',
+        'tests/test_policy_wiring.py::test_a_failing_session_signal_sink_is_logged_and_skipped',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu",

@@ -103,8 +103,33 @@ class _ChunkKey:  # an LMCache-like key: hashable, and every session-signal sink
         return f"kvtier-test@1@0@{self.chunk:x}@bf16"
 
 
+def test_a_failing_session_signal_sink_is_logged_and_skipped(caplog):
+    """A signal is advice: one policy that raises must not keep it from the others, nor reach the caller (a lookup
+    in the connector), and its failure is logged, with the traceback the first time."""
+    from kvtier.storage_backends.eviction import make_policy
+
+    broken, healthy = make_policy("lru"), make_policy("lru")
+    seen = []
+
+    def fail(chain, n, now=None):
+        raise RuntimeError("policy bug")
+
+    broken.on_request_finished = fail
+    healthy.on_request_finished = lambda chain, n, now=None: seen.append((list(chain), n))
+    session_signals.register(broken)
+    session_signals.register(healthy)
+    keys = [_ChunkKey(1), _ChunkKey(2)]
+    with caplog.at_level("WARNING", logger=session_signals.__name__):
+        for _ in range(1000):
+            session_signals.request_finished(keys, 7)
+    assert seen == [(keys, 7)] * 1000
+    logged = [r for r in caplog.records if r.name == session_signals.__name__]
+    assert [r.levelname for r in logged] == ["ERROR", "WARNING"]  # the first failure, then the 1,000th
+    assert "policy bug" in str(logged[0].exc_info[1]) and "1000 session signals" in logged[1].getMessage()
+
+
 @pytest.mark.parametrize("policy", ["adaptive", "answer_length"])
-def test_host_policy_survives_session_signals_from_another_thread(policy):
+def test_host_policy_survives_session_signals_from_another_thread(policy, caplog):
     """LMCache calls its host tier's policy under its own lock; session signals come from the connector's threads
     without it. Both at once must raise nothing, and the policy must end holding exactly the cached keys (the whole
     capacity usable). Without the adapter's lock a signal rebuilt `adaptive`'s victim order mid-scan (KeyError)."""
@@ -160,6 +185,8 @@ def test_host_policy_survives_session_signals_from_another_thread(policy):
         sys.setswitchinterval(old)
     assert not any(t.is_alive() for t in threads)
     assert errors == []
+    dropped = [r for r in caplog.records if r.name == session_signals.__name__]
+    assert dropped == [], dropped[0].exc_info  # a signal that failed inside the policy is dropped: none may be
     assert len(adapter.policy) == len(cache) and all(k in adapter.policy for k in cache)
     for victim in adapter.get_evict_candidates(cache, len(cache)):  # every cached chunk can still be evicted
         del cache[victim]

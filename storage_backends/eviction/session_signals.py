@@ -3,10 +3,13 @@
 The vLLM connector learns when a request arrives and how long its answer was; LMCache-only use infers the
 chain from lookups. Both report here, in LMCache keys; each registered policy receives the chain in its own key
 space (the SSD tier keys by `CacheEngineKey.to_string()`, LMCache's host tier by the key objects themselves).
+A signal is advice: a sink that fails is logged and skipped, the other sinks still receive the signal, and the
+caller (a lookup, a finished request) never sees the error.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -15,7 +18,10 @@ from typing import Any
 
 from kvtier.storage_backends.eviction.base import EvictionPolicy
 
+logger = logging.getLogger(__name__)
+
 _lock = threading.Lock()
+_failures: weakref.WeakKeyDictionary[EvictionPolicy, int] = weakref.WeakKeyDictionary()
 _sinks: weakref.WeakKeyDictionary[EvictionPolicy, tuple[Callable[[Any], Hashable], threading.RLock | None]] = (
     weakref.WeakKeyDictionary())
 
@@ -32,12 +38,26 @@ def _fan_out(call: Callable[[EvictionPolicy, list[Hashable]], None], chain: Sequ
     with _lock:
         sinks = list(_sinks.items())
     for policy, (key_of, lock) in sinks:
-        keys = [key_of(k) for k in chain]
-        if lock is None:
-            call(policy, keys)
-        else:
-            with lock:
+        try:
+            keys = [key_of(k) for k in chain]
+            if lock is None:
                 call(policy, keys)
+            else:
+                with lock:
+                    call(policy, keys)
+        except Exception:
+            _failed(policy)
+
+
+def _failed(policy: EvictionPolicy) -> None:
+    """Log a sink's failure: the first with its traceback, then every 1,000th with the count."""
+    with _lock:
+        n = _failures[policy] = _failures.get(policy, 0) + 1
+    if n == 1:
+        logger.exception("kvtier: a session signal to the %s eviction policy failed; the signal is dropped for that "
+                         "policy (it evicts without it)", policy.name)
+    elif n % 1000 == 0:
+        logger.warning("kvtier: %d session signals to the %s eviction policy failed so far", n, policy.name)
 
 
 def request_arrived(chain: Sequence[Any], now: float | None = None) -> None:
