@@ -413,9 +413,9 @@ class Report:
             for c in self.caps:
                 g = {f.name: self.res.gap(src.name, f, c, self.ours) for f in folds}
                 wf, wv = worst_fold(g)
-                line = f"  @{c:<5}" + "".join(f"{_fmt(100 * g[f.name], '>8.1f'):>8}" for f in folds) + \
-                    f" | worst {_fmt(100 * wv, '.1f')} ({_short(next(f for f in folds if f.name == wf))})"
                 worst[src.name][c] = next(f for f in folds if f.name == wf)
+                line = f"  @{c:<5}" + "".join(f"{_fmt(100 * g[f.name], '>8.1f'):>8}" for f in folds) + \
+                    f" | worst {_fmt(100 * wv, '.1f')} ({_short(worst[src.name][c])})"
                 if src is conversation:
                     line += "  " + self.check(wv >= GAP_TARGET[c], f"gap {src.name}@{c}", worst_fold=wf,
                                               gap_closed=wv, target=GAP_TARGET[c])

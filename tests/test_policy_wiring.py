@@ -197,7 +197,6 @@ def test_vllm_plugin_entry_point_registers_lazily():
     """The general-plugin hook must not import LMCache (vLLM's CPU worker start trips over it) yet make
     KVTIER_* policies available as soon as LMCache's policy table is imported."""
     import subprocess
-    import sys
     import textwrap
 
     code = textwrap.dedent("""
