@@ -13,8 +13,8 @@ allocated alike), and the engine built first, always the plugin's, read into the
 
 All in one run on the same disk: durable writes (O_DIRECT or fsync'd), cold reads (page cache dropped before every
 timed read; needs root). The work is cut into batches of one LMCache request (8 chunks, 256 MiB); every method
-writes (then reads) batch b before any moves on, in an order rotating by len(methods)/batches per batch (printed
-for the first repeat), so each method's positions in a batch average alike and the disk's drift over seconds and
+writes (then reads) batch b before any moves on, in a seeded shuffled order per batch (printed for the first
+repeat), so each method's positions and neighbours in a batch average alike and the disk's drift over seconds and
 minutes hits all methods alike. --ab-read-piece-mib N adds the same plugin with reads pieced at N MiB (A/B).
 "kvtier plugin prepared" (on unless --no-prepared) is the plugin with `kvtier.prepare_slots`, timed once its slot
 files are zeroed (waited for, untimed): its writes overwrite written blocks, as a tier's writes do once it has been
@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -324,11 +325,7 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
                     m.clear_host()
             for b in tqdm(range(n_batches), desc=f"repeat {r + 1}/{args.repeats}: {phase}", leave=False):
                 lo, hi = b * batch_bytes, (b + 1) * batch_bytes
-                # Rotate by len/n_batches per batch, so that over the run every method's positions average
-                # alike (rotating by one per batch with fewer batches than methods kept the last-listed methods
-                # late in every batch).
-                k = (b * len(todo)) // n_batches % len(todo)
-                order = todo[k:] + todo[:k]
+                order = batch_order(todo, r, b, phase, n_batches, args.batch_order)
                 if r == 0:
                     tqdm.write(f"  {phase} order, batch {b}: " + ", ".join(name for name, _ in order))
                 for name, fn in order:
@@ -364,6 +361,21 @@ def build_order(names: list[str], r: int, args) -> list[str]:
         k = (r * len(names)) // max(1, args.repeats) % len(names)
         order = names[k:] + names[:k]
     tqdm.write(f"  repeat {r + 1}: engines built in the order " + ", ".join(order))
+    return order
+
+
+def batch_order(todo: list, r: int, b: int, phase: str, n_batches: int, how: str) -> list:
+    """The order of the methods in batch `b` of repeat `r`. `shuffle` (default): a permutation seeded by (repeat,
+    batch, phase), so over the run every method's positions average alike and no method always runs right after
+    the same one. `rotate` (the order before 2026-12-06): the list rotated by len/n_batches per batch. Rotation
+    keeps each method's predecessor, so an after-effect of one method (a buffered writer's write-back still
+    draining) would always land on the same follower: the plugin always ran right after `raw write buffered+fsync
+    x4`. Both orders gave alike ratios on the VM of docs/results/2026-12-06-ssd-tier-avx512.md."""
+    if how == "rotate":
+        k = (b * len(todo)) // n_batches % len(todo)
+        return todo[k:] + todo[:k]
+    order = list(todo)
+    random.Random(f"{r}/{b}/{phase}").shuffle(order)
     return order
 
 
@@ -463,6 +475,8 @@ def main() -> int:
                          "host_buffer): each reader then reads as fast as its pages happen to be contiguous")
     ap.add_argument("--build-order", choices=("rotate", "listed", "reversed"), default="rotate",
                     help="order of building the engines in each repeat (see build_order; default rotate)")
+    ap.add_argument("--batch-order", choices=("shuffle", "rotate"), default="shuffle",
+                    help="order of the methods within each batch (see `batch_order`)")
     ap.add_argument("--busy-threads", type=int, default=0,
                     help="also run every repeat with this many threads of the benchmark's process keeping the cores "
                          "busy (hashing, the GIL released as torch ops release it) and report it beside the quiet "
