@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvtier.replay import vllm_offload
-from kvtier.replay.traces import TraceRequest, read_trace, unique_blocks
+from kvtier.replay.traces import TraceRequest, input_error, read_trace, unique_blocks
 from kvtier.storage_backends.eviction.base import (
     POLICY_REGISTRY,
     EvictionPolicy,
@@ -383,7 +383,10 @@ def run(args: argparse.Namespace) -> int:
     names = args.policies
     if args.kv_transfer_config is not None:
         names, ssd_policy = _file_policies(args)
-    reqs = read_trace(args.trace, args.format, args.limit)
+    try:
+        reqs = read_trace(args.trace, args.format, args.limit)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"kvtier replay: {input_error(e)}") from None
     if args.until is not None:
         reqs = [r for r in reqs if r.timestamp < args.until]
     if not reqs:
@@ -399,12 +402,15 @@ def run(args: argparse.Namespace) -> int:
     policies = [POLICY_ALIASES.get(p.strip(), p.strip()) for p in names.split(",") if p.strip()]
     for p in policies:  # fail before replaying anything
         if not known_policy(p):
-            raise ValueError(f"unknown eviction policy {p!r}; choose from "
+            raise SystemExit(f"kvtier replay: unknown eviction policy {p!r}; choose from "
                              f"{sorted(POLICY_REGISTRY) + sorted(vllm_offload.VLLM_POLICIES)}")
     if any(vllm_offload.is_vllm_policy(p) for p in policies) and not vllm_offload.available():
         vllm_offload.simulate([], next(p for p in policies if vllm_offload.is_vllm_policy(p)), 1)  # raises: why
-    hosts = [parse_capacity(c, uniq, args.block_bytes) for c in args.host_capacity.split(",") if c.strip()]
-    ssd = parse_capacity(args.ssd_capacity, uniq, args.block_bytes)
+    try:
+        hosts = [parse_capacity(c, uniq, args.block_bytes) for c in args.host_capacity.split(",") if c.strip()]
+        ssd = parse_capacity(args.ssd_capacity, uniq, args.block_bytes)
+    except ValueError as e:
+        raise SystemExit(f"kvtier replay: {e}") from None
     logger.info(
         "%s: %d requests, %d block accesses, %d unique blocks", args.trace, len(reqs),
         sum(len(r.hash_ids) for r in reqs), unique_blocks(reqs),

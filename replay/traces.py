@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,16 +42,40 @@ class TraceRequest:
     turn: int  #: 1 for a first turn, depth in the conversation otherwise
 
 
-def _open_lines(path: str | Path) -> Iterable[dict]:
+def _open_lines(path: str | Path) -> Iterable[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; ValueError naming the line for one that is not a JSON object."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
             try:
-                yield json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not a JSON line ({e})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: not a JSON object")
+            yield lineno, obj
+
+
+def _fields(path: str | Path, lineno: int, o: dict, ms: bool) -> tuple[float, tuple[int, ...], int, int]:
+    """(timestamp in seconds, hash_ids, input_length, output_length) of one line; ValueError naming the line and
+    what is wrong with it (a field missing, not a number, `hash_ids` not a list of integers)."""
+    where = f"{path}:{lineno}"
+    missing = next((k for k in ("timestamp", "hash_ids") if k not in o), None)
+    if missing is not None:
+        raise ValueError(f"{where}: no {missing!r} field")
+    chain = o["hash_ids"]
+    if not isinstance(chain, list) or not all(type(h) is int for h in chain):
+        raise ValueError(f"{where}: 'hash_ids' is not a list of integers")
+    try:
+        ts = float(o["timestamp"]) / (1000.0 if ms else 1.0)
+        inp, out = int(o.get("input_length", 0)), int(o.get("output_length", 0))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: timestamp, input_length and output_length must be numbers ({e})") from None
+    if not math.isfinite(ts):
+        raise ValueError(f"{where}: the timestamp is not a finite number")
+    return ts, tuple(chain), inp, out
 
 
 def recover_sessions(chains: Sequence[Sequence[int]]) -> list[tuple[int, int | None, int]]:
@@ -82,42 +107,45 @@ def recover_sessions(chains: Sequence[Sequence[int]]) -> list[tuple[int, int | N
 
 
 def read_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Mooncake FAST'25 trace: {"timestamp": ms, "input_length", "output_length", "hash_ids"} per line."""
-    raw: list[dict] = []
-    for obj in _open_lines(path):
-        if limit is not None and len(raw) >= limit:
+    """Mooncake FAST'25 trace: {"timestamp": ms, "input_length", "output_length", "hash_ids"} per line. ValueError
+    naming the line for a line that is not such an object."""
+    rows: list[tuple[float, tuple[int, ...], int, int]] = []
+    for lineno, obj in _open_lines(path):
+        if limit is not None and len(rows) >= limit:
             break
-        raw.append(obj)
-    chains = [tuple(int(h) for h in o["hash_ids"]) for o in raw]
-    sessions = recover_sessions(chains)
+        rows.append(_fields(path, lineno, obj, ms=True))
+    sessions = recover_sessions([r[1] for r in rows])
     reqs = [
         TraceRequest(
             index=i,
-            timestamp=float(o["timestamp"]) / 1000.0,
-            hash_ids=chains[i],
-            input_length=int(o.get("input_length", 0)),
-            output_length=int(o.get("output_length", 0)),
+            timestamp=ts,
+            hash_ids=chain,
+            input_length=inp,
+            output_length=out,
             session=sessions[i][0],
             parent=sessions[i][1],
             turn=sessions[i][2],
         )
-        for i, o in enumerate(raw)
+        for i, (ts, chain, inp, out) in enumerate(rows)
     ]
     logger.debug("read %d mooncake requests from %s", len(reqs), path)
     return reqs
 
 
 def read_bailian(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Qwen-Bailian trace: chat_id / parent_chat_id (-1: first turn) / turn / timestamp (s) / hash_ids per line."""
-    raw: list[dict] = []
-    for obj in _open_lines(path):
+    """Qwen-Bailian trace: chat_id / parent_chat_id (-1: first turn) / turn / timestamp (s) / hash_ids per line.
+    ValueError naming the line for a line that is not such an object."""
+    raw: list[tuple[dict, tuple[float, tuple[int, ...], int, int]]] = []
+    for lineno, obj in _open_lines(path):
         if limit is not None and len(raw) >= limit:
             break
-        raw.append(obj)
-    raw.sort(key=lambda o: float(o["timestamp"]))  # stable: equal timestamps keep file order
+        if "chat_id" not in obj:
+            raise ValueError(f"{path}:{lineno}: no 'chat_id' field")
+        raw.append((obj, _fields(path, lineno, obj, ms=False)))
+    raw.sort(key=lambda r: r[1][0])  # stable: equal timestamps keep file order
     by_chat: dict = {}
     reqs: list[TraceRequest] = []
-    for i, o in enumerate(raw):
+    for i, (o, (ts, chain, inp, out)) in enumerate(raw):
         pid = o.get("parent_chat_id", -1)
         parent = by_chat.get(pid) if pid not in (-1, None, "-1") else None
         if parent is None:
@@ -127,10 +155,10 @@ def read_bailian(path: str | Path, limit: int | None = None) -> list[TraceReques
         reqs.append(
             TraceRequest(
                 index=i,
-                timestamp=float(o["timestamp"]),
-                hash_ids=tuple(int(h) for h in o["hash_ids"]),
-                input_length=int(o.get("input_length", 0)),
-                output_length=int(o.get("output_length", 0)),
+                timestamp=ts,
+                hash_ids=chain,
+                input_length=inp,
+                output_length=out,
                 session=session,
                 parent=parent,
                 turn=turn,
@@ -144,13 +172,20 @@ def read_bailian(path: str | Path, limit: int | None = None) -> list[TraceReques
 def read_trace(path: str | Path, fmt: TraceFormat | None = None, limit: int | None = None) -> list[TraceRequest]:
     """Read a trace; `fmt=None` sniffs the first line (a `chat_id` field means Bailian)."""
     if fmt is None:
-        first = next(iter(_open_lines(path)), {})
+        first = next(iter(_open_lines(path)), (0, {}))[1]
         fmt = "bailian" if "chat_id" in first else "mooncake"
     if fmt == "mooncake":
         return read_mooncake(path, limit)
     if fmt == "bailian":
         return read_bailian(path, limit)
     raise ValueError(f"unknown trace format {fmt!r} (mooncake or bailian)")
+
+
+def input_error(e: OSError | ValueError) -> str:
+    """One line for a trace that cannot be read: the file and the reason (no traceback)."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror or e}"
+    return str(e)
 
 
 def unique_blocks(reqs: Iterable[TraceRequest]) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from kvtier.replay.traces import input_error
 from kvtier.scheduler_hooks.dual_queue_policy import (
     DUAL_QUEUE_MODIFIERS,
     SCHEDULER_KEYS,
@@ -168,7 +169,10 @@ def run(args: argparse.Namespace) -> int:
     """Run `kvtier simulate`; 1 when some run did not complete every request."""
     setup = _setup(args)
     names = setup.schedulers
-    reqs = load_trace(args.trace, args.limit, args.start_s, args.end_s)
+    try:
+        reqs = load_trace(args.trace, args.limit, args.start_s, args.end_s)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"kvtier simulate: {input_error(e)}") from None
     if not reqs:
         raise SystemExit(f"kvtier simulate: no requests in {args.trace}")
     base = SimConfig(

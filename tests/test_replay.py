@@ -201,8 +201,52 @@ def test_cli_rejects_unknown_policy(tmp_path):
 
     trace = tmp_path / "t.jsonl"
     trace.write_text(json.dumps({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}) + "\n")
-    with pytest.raises(ValueError):
+    with pytest.raises(SystemExit, match=r"^kvtier replay: unknown eviction policy 'nope'; choose from .*'lru'"):
         main(["replay", str(trace), "--policies", "nope", "--no-progress"])
+    with pytest.raises(SystemExit, match=r"^kvtier replay: capacity '5xx': expected a fraction"):
+        main(["replay", str(trace), "--host-capacity", "5xx", "--no-progress"])
+
+
+GOOD_LINE = json.dumps({"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1, 2]})
+
+
+@pytest.mark.parametrize("second_line, said", [
+    ("not json", r"t\.jsonl:2: not a JSON line"),
+    ("[1, 2]", r"t\.jsonl:2: not a JSON object"),
+    (json.dumps({"timestamp": 5}), r"t\.jsonl:2: no 'hash_ids' field"),
+    (json.dumps({"hash_ids": [1]}), r"t\.jsonl:2: no 'timestamp' field"),
+    (json.dumps({"timestamp": 5, "hash_ids": "123"}), r"t\.jsonl:2: 'hash_ids' is not a list of integers"),
+    (json.dumps({"timestamp": 5, "hash_ids": [1, 2.5]}), r"t\.jsonl:2: 'hash_ids' is not a list of integers"),
+    (json.dumps({"timestamp": "soon", "hash_ids": [1]}), r"t\.jsonl:2: timestamp, input_length and output_length "
+                                                         r"must be numbers"),
+    ('{"timestamp": NaN, "hash_ids": [1]}', r"t\.jsonl:2: the timestamp is not a finite number"),
+])
+def test_a_bad_trace_line_is_named_in_one_line_by_the_reader_and_both_commands(tmp_path, second_line, said):
+    """A trace line the readers cannot take is a ValueError naming file and line, and `kvtier replay` /
+    `kvtier simulate` print it as one line and exit 1, no traceback (never a silently wrong request)."""
+    from kvtier.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(GOOD_LINE + "\n" + second_line + "\n")
+    with pytest.raises(ValueError, match=said):
+        read_trace(trace, "mooncake")
+    for command in ("replay", "simulate"):
+        with pytest.raises(SystemExit, match=rf"^kvtier {command}: .*{said}") as e:
+            main([command, str(trace), "--no-progress"])
+        assert isinstance(e.value.code, str)  # printed by Python as one line on stderr, exit status 1
+
+
+def test_a_missing_trace_is_one_line(tmp_path):
+    from kvtier.cli import main
+
+    for command in ("replay", "simulate"):
+        with pytest.raises(SystemExit, match=rf"^kvtier {command}: .*nope\.jsonl: No such file or directory$"):
+            main([command, str(tmp_path / "nope.jsonl"), "--no-progress"])
+    bai = tmp_path / "b.jsonl"
+    bai.write_text(json.dumps({"chat_id": 1, "timestamp": 0, "hash_ids": [1]}) + "\n"
+                   + json.dumps({"timestamp": 1, "hash_ids": [1, 2]}) + "\n")
+    with pytest.raises(ValueError, match=r"b\.jsonl:2: no 'chat_id' field"):
+        read_trace(bai, "bailian")
 
 
 def test_demo_slice_replay():
