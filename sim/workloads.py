@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from kvtier.replay.traces import input_error
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SharedPrefixSpec", "add_arguments", "generate_shared_prefix", "run", "shared_prefix_stats"]
@@ -189,11 +191,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = SharedPrefixSpec(**{f.name: getattr(args, f.name) for f in fields(SharedPrefixSpec)})
+    try:
+        spec = SharedPrefixSpec(**{f.name: getattr(args, f.name) for f in fields(SharedPrefixSpec)})
+    except ValueError as e:
+        raise SystemExit(f"kvtier workload: {e}") from None
     lines = generate_shared_prefix(spec)
     path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    except OSError as e:
+        raise SystemExit(f"kvtier workload: cannot write {path}: {input_error(e)}") from None
     st = shared_prefix_stats(lines)
     print(f"wrote {path}: {st['requests']} requests over {st['span_s']:.0f} s, mean prompt "
           f"{st['mean_input_tokens']:.0f} tokens; {st['share_fraction']:.1%} share >= 6K prefix tokens with another "

@@ -473,3 +473,10 @@ def test_shared_prefix_workload_has_the_documented_property(tmp_path, capsys):
     assert len(reqs) == 300 and reqs[0].blocks[0] == 0
     with pytest.raises(ValueError):
         SharedPrefixSpec(prefix_min=9000, prefix_max=100)
+    # the command says what is wrong in one line (exit status 1), no traceback, and writes nothing
+    with pytest.raises(SystemExit, match=r"^kvtier workload: requests >= 1"):
+        cli_main(["workload", "shared-prefix", str(tmp_path / "none.jsonl"), "--requests", "0"])
+    unwritable = r"^kvtier workload: cannot write .*shared\.jsonl/out\.jsonl: .*shared\.jsonl: File exists$"
+    with pytest.raises(SystemExit, match=unwritable):  # its directory is a file
+        cli_main(["workload", "shared-prefix", str(out / "out.jsonl"), "--requests", "10"])
+    assert not (tmp_path / "none.jsonl").exists()
