@@ -111,12 +111,16 @@ def _replay(name: str, yaml_text: str, requests, shape, block_tokens: int, chunk
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("lmcache").setLevel(logging.WARNING)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # LMCache logs every host-pool eviction retry
-    from kvtier.replay.traces import read_mooncake
+    from kvtier.replay.traces import input_error, read_mooncake
     from kvtier.testing.engine_factory import ModelShape
 
     chunk = args.block_tokens
     shape = ModelShape("kvtier-demo/llama-mini", num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
-    requests = read_mooncake(args.trace, limit=args.requests)
+    try:
+        requests = read_mooncake(args.trace, limit=args.requests)
+    except (OSError, ValueError) as e:  # the trace cannot be read: say which line, no traceback
+        print(f"--trace: {input_error(e)}")
+        return 2
     ssd_dir = args.ssd_path or tempfile.mkdtemp(prefix="kvtier-demo-")
     if args.ssd_path is None:
         ssd_dir = os.path.join(ssd_dir, "ssd")

@@ -45,6 +45,7 @@ from kvtier.cli.conversations import Turn, build_workload
 from kvtier.cli.demo_vllm_engine import engine_env
 from kvtier.cli.demo_vllm_report import ratio
 from kvtier.cli.engine_args import add_engine_arguments
+from kvtier.replay.traces import input_error
 from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, VOCAB
 from kvtier.testing.lmcache_yaml import write_lmcache_yaml
 from kvtier.testing.redis_server import READ_COMMANDS
@@ -409,8 +410,12 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 1 or args.chunk_tokens % args.page_tokens:
         print("--replicas must be >= 1 and --chunk-tokens a multiple of --page-tokens")
         return 2
-    turns, longest = build_workload(args.trace, args.conversations, args.turns, args.block_tokens,
-                                    args.max_prompt_tokens, args.answer_tokens)
+    try:
+        turns, longest = build_workload(args.trace, args.conversations, args.turns, args.block_tokens,
+                                        args.max_prompt_tokens, args.answer_tokens)
+    except (OSError, ValueError) as e:  # the trace cannot be read: say which line, no traceback
+        print(f"--trace: {input_error(e)}")
+        return 2
     if not turns:
         print("no conversation of the trace fits the options; raise --max-prompt-tokens or lower --turns")
         return 2

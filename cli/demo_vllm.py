@@ -41,6 +41,7 @@ from kvtier.cli.conversations import build_workload
 from kvtier.cli.demo_vllm_engine import RunResult, engine_main, run_engine
 from kvtier.cli.demo_vllm_report import LMCACHE_CPU_NOTE, FollowUps, plot, print_spread, report, report_lmcache_mp
 from kvtier.cli.engine_args import add_engine_arguments
+from kvtier.replay.traces import input_error
 from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, MODEL
 from kvtier.testing.lmcache_yaml import write_lmcache_yaml
 
@@ -81,8 +82,12 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         print(f"--repeat must be at least 1, got {args.repeat}")
         return 2
-    turns, longest = build_workload(args.trace, args.conversations, args.turns, args.block_tokens,
-                                    args.max_prompt_tokens, args.answer_tokens)
+    try:
+        turns, longest = build_workload(args.trace, args.conversations, args.turns, args.block_tokens,
+                                        args.max_prompt_tokens, args.answer_tokens)
+    except (OSError, ValueError) as e:  # the trace cannot be read: say which line, no traceback
+        print(f"--trace: {input_error(e)}")
+        return 2
     if not turns:
         print("no conversation of the trace fits the options; raise --max-prompt-tokens or lower --turns")
         return 2

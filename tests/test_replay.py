@@ -249,6 +249,21 @@ def test_a_missing_trace_is_one_line(tmp_path):
         read_trace(bai, "bailian")
 
 
+@pytest.mark.parametrize("command", ["demo", "demo-vllm", "demo-shared"])
+def test_the_demos_name_a_bad_trace_line_and_start_nothing(tmp_path, capsys, command):
+    """`--trace` pointing at a missing file or a bad line: exit status 2 and one line naming it, before any engine,
+    server or SSD directory is made."""
+    from kvtier.cli import main
+
+    bad = tmp_path / "t.jsonl"
+    bad.write_text(GOOD_LINE + "\n" + json.dumps({"timestamp": 5}) + "\n")
+    for trace, said in ((bad, "t.jsonl:2: no 'hash_ids' field"), (tmp_path / "nope.jsonl", "No such file")):
+        assert main([command, "--trace", str(trace)]) == 2
+        out = capsys.readouterr().out
+        assert out.startswith("--trace: ") and said in out and out.count("\n") == 1, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
 def test_demo_slice_replay():
     reqs = read_trace(SLICE)
     assert len(reqs) == 400 and any(r.parent is not None for r in reqs)
