@@ -141,25 +141,32 @@ def check_l2_adapter(path: str) -> str:
     import json
 
     spec = _json_object(path, "an --l2-adapter spec")
+    kind = spec.get("type")
+    kvtier_keys = {"module_path", "class_name", "adapter_params"} & spec.keys()
+    if kind != "plugin" and (kvtier_keys or "kvtier" in str(kind).lower()):
+        # meant as kvtier's adapter (LMCache's parser would only say it knows no such type, or fail elsewhere)
+        raise ConfigError(f"{path}: \"type\" must be \"plugin\" for kvtier's adapter, with \"module_path\": "
+                          f"{ADAPTER_MODULE!r}, \"class_name\": {ADAPTER_CLASS!r} and its settings under "
+                          f"\"adapter_params\" (as configs/lmcache-mp-l2-kvtier.json); got {kind!r}")
     from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 
     try:
         parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(spec)]))
     except (ValueError, KeyError, ImportError) as e:
         raise ConfigError(f"{path}: LMCache rejects this --l2-adapter spec: {e}") from None
-    if spec.get("type") != "plugin":  # one of LMCache's own adapters, stacked after kvtier's (e.g. `resp`: Redis)
-        kvtier_keys = {"module_path", "class_name", "adapter_params"} & spec.keys()
-        if kvtier_keys:
-            raise ConfigError(f"{path}: \"type\" must be \"plugin\" for kvtier's adapter (it has "
-                              f"{', '.join(sorted(kvtier_keys))}), got {spec.get('type')!r}")
+    if kind != "plugin":  # one of LMCache's own adapters, stacked after kvtier's (e.g. `resp`: Redis)
         return (f"OK: {path}: LMCache's own L2 adapter {spec.get('type')!r}, accepted by LMCache's parser; kvtier "
                 f"does not run it: list it after kvtier's adapter (a second --l2-adapter)")
     if spec.get("module_path") != ADAPTER_MODULE:
         raise ConfigError(f"{path}: \"module_path\" must be {ADAPTER_MODULE!r}, got {spec.get('module_path')!r}")
     if spec.get("class_name") != ADAPTER_CLASS:
         raise ConfigError(f"{path}: \"class_name\" must be {ADAPTER_CLASS!r}, got {spec.get('class_name')!r}")
-    from kvtier.storage_backends.config import parse_adapter_params
+    from kvtier.storage_backends.config import KEYS, parse_adapter_params
 
+    misplaced = sorted({k.name for k in KEYS} & spec.keys())
+    if misplaced:
+        raise ConfigError(f"{path}: {', '.join(misplaced)} belong under \"adapter_params\" (kvtier's settings), not "
+                          "beside \"type\"")
     kv = parse_adapter_params(spec.get("adapter_params"))
     from kvtier.storage_backends.lmcache.mp_adapter import SUBDIR
     from kvtier.storage_backends.lmcache.mp_config import check_o_direct, prepare_directories

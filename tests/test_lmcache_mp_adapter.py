@@ -405,13 +405,19 @@ def test_check_config_accepts_the_shipped_json_and_names_bad_keys(tmp_path):
                             ({"adapter_params": {"ssd_path": str(tmp_path), "ssd_capacity_gb": -1}},
                              r"adapter_params\.ssd_capacity_gb must be > 0"),
                             ({"class_name": "KVTierBackend"}, r"\"class_name\" must be 'KVTierL2Adapter'"),
-                            ({"type": "fs", "base_path": str(tmp_path)}, r"\"type\" must be \"plugin\"")]:
+                            ({"type": "fs", "base_path": str(tmp_path)}, r"\"type\" must be \"plugin\""),
+                            ({"ssd_path": str(tmp_path)}, r"ssd_path belong under \"adapter_params\"")]:
         d = spec(tmp_path / "ssd")
         d.update(change)
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps(d))
         with pytest.raises(ConfigError, match=message):
             check(str(bad))
+    # kvtier's settings given with a "type" of their own: named as kvtier's adapter, not LMCache's "no such type"
+    bad.write_text(json.dumps({"type": "kvtier", "ssd_path": str(tmp_path), "ssd_capacity_gb": 1}))
+    with pytest.raises(ConfigError, match=r"\"type\" must be \"plugin\" for kvtier's adapter, with \"module_path\": "
+                                          r"'kvtier\.storage_backends\.lmcache_mp_adapter'.*got 'kvtier'$"):
+        check(str(bad))
 
 
 def test_capacity_below_one_chunk_is_reported_not_silent(adapters, l1):
