@@ -60,6 +60,7 @@ def check(path: str) -> str:
         if not module.startswith("kvtier.storage_backends"):
             raise ConfigError(f"storage_plugin.{name}.module_path must be kvtier.storage_backends, got {module!r}")
     kv = parse_kvtier_config(cfg.extra_config)
+    host_policy = _host_cache_policy(path, cfg.cache_policy)
     from kvtier.compat import guard
 
     try:
@@ -82,8 +83,24 @@ def check(path: str) -> str:
                           f"redis://HOST:PORT' (or remote_storage_plugins), or remove {SHARED_KEY}")
     return (f"OK: {path}: plugin {names[0]!r} -> KVTierBackend, SSD tier at {kv.ssd_path} "
             f"({kv.ssd_capacity_gb:g} GiB, {kv.io_threads} I/O threads, io_engine={kv.io_engine}, "
-            f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB, chunk_size {cfg.chunk_size}"
+            f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB (cache_policy {host_policy}), "
+            f"chunk_size {cfg.chunk_size}"
             f"{shared}, LMCache {versions.installed.lmcache} ({versions.verdict.value}){capacity_note(kv)}")
+
+
+def _host_cache_policy(path: str, name: str | None) -> str:
+    """The host tier's `cache_policy` as LMCache will look it up (upper case), with kvtier's KVTIER_<NAME> policies
+    registered as kvtier's vLLM plugin entry point registers them; ConfigError if LMCache would refuse it at start."""
+    from lmcache.v1.storage_backend.cache_policy import POLICY_MAPPING
+
+    from kvtier.storage_backends.lmcache.host_policy import register_host_policies
+
+    register_host_policies()
+    key = str(name or "LRU").upper()
+    if key not in POLICY_MAPPING:
+        raise ConfigError(f"{path}: cache_policy {name!r} is not a policy LMCache knows (the engine would fail at "
+                          f"start); choose one of {', '.join(sorted(POLICY_MAPPING))}")
+    return key
 
 
 def capacity_note(kv: KVTierConfig, key: str = "kvtier.ssd_capacity_gb") -> str:

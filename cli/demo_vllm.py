@@ -42,6 +42,8 @@ from kvtier.cli.demo_vllm_engine import RunResult, engine_main, run_engine
 from kvtier.cli.demo_vllm_report import LMCACHE_CPU_NOTE, FollowUps, plot, print_spread, report, report_lmcache_mp
 from kvtier.cli.engine_args import add_engine_arguments
 from kvtier.replay.traces import input_error
+from kvtier.storage_backends.eviction import production_policy_names
+from kvtier.storage_backends.lmcache.host_policy import lmcache_name
 from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, MODEL
 from kvtier.testing.lmcache_yaml import write_lmcache_yaml
 
@@ -68,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "column; its L1 is the kvtier host tier's size)")
     p.add_argument("--mp-port", type=int, default=0, help="port of that `lmcache server` (default: a free one)")
     p.add_argument("--mp-http-port", type=int, default=0, help="its HTTP admin port (default: a free one)")
+    p.add_argument("--eviction-policy", default=None, metavar="NAME",
+                   help="kvtier's eviction policy in both tiers (the host tier's cache_policy KVTIER_<NAME> and "
+                        "kvtier.eviction_policy), e.g. adaptive; default: the shipped YAML's (LRU in both)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole comparison this many times (fresh engines and SSD tier each time) and print "
                         "the spread: min / median / max of the mean follow-up speed-up and each side's slowest "
@@ -81,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.repeat < 1:
         print(f"--repeat must be at least 1, got {args.repeat}")
+        return 2
+    if args.eviction_policy is not None and args.eviction_policy not in production_policy_names():
+        print(f"--eviction-policy {args.eviction_policy!r}: choose one of {', '.join(production_policy_names())}")
         return 2
     try:
         turns, longest = build_workload(args.trace, args.conversations, args.turns, args.block_tokens,
@@ -115,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if os.path.exists(ssd_dir) and args.ssd_path is None:
         shutil.rmtree(ssd_dir)
     yaml_path = workdir / "lmcache-kvtier.yaml"
-    _lmcache_yaml(yaml_path, args.chunk_tokens, host_mb, ssd_dir, args.ssd_mb)
+    _lmcache_yaml(yaml_path, args.chunk_tokens, host_mb, ssd_dir, args.ssd_mb, args.eviction_policy)
     kv_cfg = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "engine_id": f"kvtier-demo-{os.getpid()}", "kv_connector_extra_config": {"config_file": str(yaml_path)}}
@@ -135,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
           f"{page} tokens = {gpu_blocks * page} tokens (the replay's history: {history_tokens} tokens, "
           f"{history_mb:.1f} MiB), prefix caching on")
     print(f"  kvtier: connector + DualQueueScheduler; host tier {host_mb:g} MiB, SSD tier {args.ssd_mb:g} MiB at "
-          f"{ssd_dir}; {args.chunk_tokens}-token chunks")
+          f"{ssd_dir}; {args.chunk_tokens}-token chunks; eviction "
+          f"{args.eviction_policy or 'lru (the shipped YAML)'} in both tiers")
     print(f"  {LMCACHE_CPU_NOTE}")
     if args.lmcache_mp:
         print(f"  {LMCACHE_MP_NOTE}")
@@ -208,8 +217,15 @@ def _run_lmcache_mp(workdir: Path, base_args: dict[str, Any], host_mb: float, ar
                           env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
 
 
-def _lmcache_yaml(path: Path, chunk: int, host_mb: float, ssd_dir: str, ssd_mb: float) -> None:
-    """The shipped `configs/lmcache-kvtier.yaml` with the demo's sizes and paths, page-first chunks."""
+def _lmcache_yaml(path: Path, chunk: int, host_mb: float, ssd_dir: str, ssd_mb: float,
+                  eviction_policy: str | None = None) -> None:
+    """The shipped `configs/lmcache-kvtier.yaml` with the demo's sizes and paths, page-first chunks, and
+    `eviction_policy` (a production policy's name) in both tiers when given."""
+    extra: dict[str, str] = {"chunk_format": "page_first"}
+    replace = None
+    if eviction_policy is not None:
+        extra["eviction_policy"] = eviction_policy
+        replace = {"# cache_policy: KVTIER_ADAPTIVE": f"cache_policy: {lmcache_name(eviction_policy)}"}
     write_lmcache_yaml(path, ssd_path=ssd_dir, chunk_size=chunk, host_gb=f"{host_mb / 1024:.9f}",
-                       ssd_capacity_gb=f"{ssd_mb / 1024:.9f}", extra={"chunk_format": "page_first"})
+                       ssd_capacity_gb=f"{ssd_mb / 1024:.9f}", extra=extra, replace=replace)
 

@@ -115,3 +115,23 @@ def test_demo_says_slower_when_kvtier_is_slower(capsys):
     assert "slowest follow-up, vLLM + kvtier:         50 / 50 / 3000 ms" in out, out
     assert "kvtier slower on average in 1 of 3 runs; its slowest follow-up slower than vLLM alone's slowest in 1 " \
            "of 3 runs" in out, out
+
+
+def test_eviction_policy_reaches_both_tiers_of_the_demos_yaml(tmp_path, capsys):
+    """`--eviction-policy NAME` sets the host tier's cache_policy (KVTIER_<NAME>) and the SSD tier's
+    kvtier.eviction_policy in the YAML the demo's engine loads, as check-config reads them; without it the shipped
+    YAML's LRU stays; an unknown name stops the demo before anything starts."""
+    from kvtier.cli import main
+    from kvtier.cli.check_config import check
+    from kvtier.cli.demo_vllm import _lmcache_yaml
+
+    for policy, host, ssd in ((None, "LRU", "lru"), ("adaptive", "KVTIER_ADAPTIVE", "adaptive"),
+                              ("answer-length", "KVTIER_ANSWER_LENGTH", "answer-length")):
+        path = tmp_path / f"{policy}.yaml"
+        _lmcache_yaml(path, 64, 8, str(tmp_path / "ssd"), 64, policy)
+        said = check(str(path))
+        assert f"(cache_policy {host})" in said and f"eviction={ssd})" in said, said
+    assert main(["demo-vllm", "--eviction-policy", "nope"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("--eviction-policy 'nope': choose one of ") and "adaptive" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["None.yaml", "adaptive.yaml", "answer-length.yaml", "ssd"]

@@ -284,6 +284,26 @@ def test_check_config_command_fails_loudly(lmcache_yaml, tmp_path):
         assert res.returncode == 1 and message in res.stderr, (path, res.stderr[-2000:])
 
 
+def test_check_config_checks_and_names_the_host_tiers_cache_policy(lmcache_yaml, tmp_path):
+    """`cache_policy` is checked as LMCache will look it up when the engine starts (kvtier's KVTIER_<NAME> policies
+    registered), and named in the OK line; a name LMCache does not know fails here, not at the engine's start."""
+    from kvtier.cli.check_config import check
+    from kvtier.storage_backends.config import ConfigError
+
+    shipped = open(lmcache_yaml()).read()
+    assert "(cache_policy LRU)" in check(lmcache_yaml())  # the shipped line is a comment: LMCache's default
+    for line, said in (("cache_policy: KVTIER_ADAPTIVE", "(cache_policy KVTIER_ADAPTIVE)"),
+                       ("cache_policy: kvtier_answer_length", "(cache_policy KVTIER_ANSWER_LENGTH)")):
+        good = tmp_path / "good.yaml"
+        good.write_text(shipped.replace("# cache_policy: KVTIER_ADAPTIVE", line))
+        assert said in check(str(good))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(shipped.replace("# cache_policy: KVTIER_ADAPTIVE", "cache_policy: KVTIER_ADAPTIV"))
+    with pytest.raises(ConfigError, match=r"cache_policy 'KVTIER_ADAPTIV' is not a policy LMCache knows .*"
+                                          r"KVTIER_ADAPTIVE, .*LRU"):
+        check(str(bad))
+
+
 def test_lmcache_frees_its_host_pool_only_after_the_ssd_writes_end(lmcache_yaml, monkeypatch):
     """LMCache closes LocalCPUBackend (unmapping the host pool) before the plugin: queued SSD writes must be over by
     then (flushed for CLOSE_FLUSH_S, the rest dropped and counted), or a writer reads freed memory (a crash in the
