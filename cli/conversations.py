@@ -8,6 +8,7 @@ model generated + a new user message (the trace's new input, scaled).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import logging
 import random
@@ -89,3 +90,18 @@ def build_workload(trace: str, conversations: int, turns: int, block_tokens: int
                        chosen, trace, turns, max_prompt)
     out.sort(key=lambda t: t.index)
     return out, longest
+
+
+def workload_of(args: argparse.Namespace) -> tuple[list[Turn], int] | str:
+    """`build_workload` from a demo's options (`add_engine_arguments`), or the one line that says why there is no
+    workload: the trace cannot be read (the file and line named, no traceback), or no conversation fits."""
+    from kvtier.replay.traces import input_error
+
+    try:
+        turns, longest = build_workload(args.trace, args.conversations, args.turns, args.block_tokens,
+                                        args.max_prompt_tokens, args.answer_tokens)
+    except (OSError, ValueError) as e:
+        return f"--trace: {input_error(e)}"
+    if not turns:
+        return "no conversation of the trace fits the options; raise --max-prompt-tokens or lower --turns"
+    return turns, longest

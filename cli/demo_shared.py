@@ -41,11 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli.conversations import Turn, build_workload
+from kvtier.cli.conversations import Turn, workload_of
 from kvtier.cli.demo_vllm_engine import engine_env
 from kvtier.cli.demo_vllm_report import ratio
 from kvtier.cli.engine_args import add_engine_arguments
-from kvtier.replay.traces import input_error
 from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, VOCAB
 from kvtier.testing.lmcache_yaml import write_lmcache_yaml
 from kvtier.testing.redis_server import READ_COMMANDS
@@ -410,15 +409,11 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 1 or args.chunk_tokens % args.page_tokens:
         print("--replicas must be >= 1 and --chunk-tokens a multiple of --page-tokens")
         return 2
-    try:
-        turns, longest = build_workload(args.trace, args.conversations, args.turns, args.block_tokens,
-                                        args.max_prompt_tokens, args.answer_tokens)
-    except (OSError, ValueError) as e:  # the trace cannot be read: say which line, no traceback
-        print(f"--trace: {input_error(e)}")
+    workload = workload_of(args)
+    if isinstance(workload, str):
+        print(workload)
         return 2
-    if not turns:
-        print("no conversation of the trace fits the options; raise --max-prompt-tokens or lower --turns")
-        return 2
+    turns, longest = workload
     page = args.page_tokens
     max_model_len = -(-longest // page) * page
     history_tokens = sum(len(t.new_tokens) + t.max_tokens for t in turns)

@@ -37,11 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli.conversations import build_workload
+from kvtier.cli.conversations import workload_of
 from kvtier.cli.demo_vllm_engine import RunResult, engine_main, run_engine
 from kvtier.cli.demo_vllm_report import LMCACHE_CPU_NOTE, FollowUps, plot, print_spread, report, report_lmcache_mp
 from kvtier.cli.engine_args import add_engine_arguments
-from kvtier.replay.traces import input_error
 from kvtier.storage_backends.eviction import production_policy_names
 from kvtier.storage_backends.lmcache.host_policy import lmcache_name
 from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, MODEL
@@ -90,15 +89,11 @@ def run(args: argparse.Namespace) -> int:
     if args.eviction_policy is not None and args.eviction_policy not in production_policy_names():
         print(f"--eviction-policy {args.eviction_policy!r}: choose one of {', '.join(production_policy_names())}")
         return 2
-    try:
-        turns, longest = build_workload(args.trace, args.conversations, args.turns, args.block_tokens,
-                                        args.max_prompt_tokens, args.answer_tokens)
-    except (OSError, ValueError) as e:  # the trace cannot be read: say which line, no traceback
-        print(f"--trace: {input_error(e)}")
+    workload = workload_of(args)
+    if isinstance(workload, str):
+        print(workload)
         return 2
-    if not turns:
-        print("no conversation of the trace fits the options; raise --max-prompt-tokens or lower --turns")
-        return 2
+    turns, longest = workload
     n_conv = len({t.conv for t in turns})
     page = args.page_tokens
     max_model_len = -(-longest // page) * page

@@ -182,7 +182,8 @@ def read_trace(path: str | Path, fmt: TraceFormat | None = None, limit: int | No
 
 
 def input_error(e: OSError | ValueError) -> str:
-    """One line for a trace that cannot be read: the file and the reason (no traceback)."""
+    """One line, no traceback, for a file that cannot be read or written (OSError: the file and the reason) or a
+    trace line that cannot be taken (ValueError: its message, naming file and line)."""
     if isinstance(e, OSError) and e.filename is not None:
         return f"{e.filename}: {e.strerror or e}"
     return str(e)
