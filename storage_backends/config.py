@@ -91,8 +91,9 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("io_block_mb", "int", "Chunks are read and written as independent requests of this size, spread over "
             "the I/O threads (a 256-token Llama-3-8B chunk, 32 MiB, is one request: with several chunks in flight "
             "that kept the disk busier than 4 MiB pieces of one chunk did).", minimum=1),
-    KeySpec("read_piece_mb", "int", "Reads cut each block into requests of at most this size, all in flight at "
-            "once and each checksummed as it lands (so the CRCs trail the last byte by one piece). With equal "
+    KeySpec("read_piece_mb", "int", "Reads cut each block into requests of at most this size, each checksummed "
+            "as it lands (so the CRCs trail the last byte by one piece), in flight at once up to io_threads blocks' "
+            "worth (twice that where a chunk is two or more full pieces). With equal "
             "destinations 8 and 32 MiB pieces read alike on this project's VMs (1.00x; earlier A/Bs that differed "
             "compared engines whose host pools lay differently in memory); measure yours with "
             "`benchmarks/ssd_tier.py --ab-read-piece-mib N`. Capped at io_block_mb.", minimum=1),

@@ -6,6 +6,7 @@ import errno
 import os
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -391,6 +392,52 @@ def test_read_piece_is_the_configured_size_capped_at_the_block(tier_config):
     t = SSDTier(tier_config(io_block_mb=256, read_piece_mb=1), CHUNK)  # 1,024 pieces in flight would be threads
     try:
         assert t.io._rd._max_workers == 64
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("pieces_per_chunk, in_flight", [(1, 4), (2, 8)])
+def test_read_requests_in_flight(tier_config, monkeypatch, pieces_per_chunk, in_flight):
+    """A batch's pieces are requested all at once, up to `io_threads` whole segments' pieces, twice that where a
+    chunk is two or more full pieces (docs/results/2026-12-06-read-requests-in-flight.md): 2 I/O threads, 2 MiB
+    segments of 1 MiB pieces, 8 chunks of 1 or 2 pieces each; every chunk still comes back bit-exact."""
+    import kvtier.storage_backends.ssd.slot_io as slot_io
+
+    P = 1 << 20
+    n = pieces_per_chunk * P
+    t = SSDTier(tier_config(o_direct=False, io_threads=2, io_block_mb=2, read_piece_mb=1, ssd_capacity_gb=0.05), n)
+    try:
+        data = {f"k{i}": payload(60 + i, n) for i in range(8)}
+        for key, d in data.items():
+            assert put(t, key, d)
+        now = peak = 0
+        lock = threading.Lock()
+
+        def spied(read):
+            def spy(*args):
+                nonlocal now, peak
+                with lock:
+                    now += 1
+                    peak = max(peak, now)
+                time.sleep(0.2)  # long enough for every request the pool lets through to arrive
+                try:
+                    return read(*args)
+                finally:
+                    with lock:
+                        now -= 1
+            return spy
+
+        monkeypatch.setattr(slot_io, "pread_full", spied(slot_io.pread_full))
+        monkeypatch.setattr(slot_io, "preadv_full", spied(slot_io.preadv_full))
+        bufs = {}
+
+        def alloc(k, m):
+            bufs[k] = np.zeros(m.nbytes, dtype=np.uint8)
+            return memoryview(bufs[k]), k
+
+        assert t.read_batch(list(data), alloc, lambda h: None) == list(data)
+        assert peak == in_flight
+        assert all(np.array_equal(bufs[k], d) for k, d in data.items())
     finally:
         t.close()
 

@@ -5,8 +5,8 @@ It moves bytes and says whether they are good; it decides nothing about which ch
   caller's buffer where aligned, else through a per-thread bounce buffer) while their CRC-32s are computed on the
   checksum threads; then the header (key, generation, sizes, dtype, shape, format, CRCs) is written; then every file
   touched is `fdatasync`ed. Only after that may the caller append the chunks' COMMIT records (`commit`, fsync'd).
-- `read`: every segment is read in pieces of at most `read_piece` bytes (`kvtier.read_piece_mb`), all in parallel
-  (at most _MAX_READ_THREADS requests at once), straight into the destination (the header travels with the first
+- `read`: every segment is read in pieces of at most `read_piece` bytes (`kvtier.read_piece_mb`), in parallel
+  (as many requests at once as `read_threads` allows), straight into the destination (the header travels with the first
   piece, one request); each piece's CRC-32 is computed by the thread that read it, as soon as it lands, and the
   pieces' CRCs are combined into the segment's, so checking a batch trails its last byte by one piece; the header
   must name the expected key, generation and metadata and every segment's CRC must match, or the read's verdict is
@@ -103,9 +103,11 @@ class SlotIO:
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         # Reads cut each segment into pieces of at most `read_piece` bytes, each its own request, checked as soon
         # as it lands (the checksums of a batch trail its last byte by one piece, not by a whole segment), on as
-        # many threads as keep `io_threads` whole segments in flight, at most _MAX_READ_THREADS.
+        # many threads as keep `io_threads` whole segments in flight (twice as many where a chunk is two or more
+        # full pieces), at most _MAX_READ_THREADS.
         self.read_piece = min(align_up(max(ALIGN, read_piece)), max(ALIGN, seg))
-        self._rd = ThreadPoolExecutor(max_workers=min(_MAX_READ_THREADS, io_threads * -(-seg // self.read_piece)),
+        self._rd = ThreadPoolExecutor(max_workers=read_threads(io_threads, seg, self.read_piece,
+                                                               slot_size - HEADER_SIZE),
                                       thread_name_prefix="kvtier-read")
         # A write's checksums run beside the I/O threads, not on them: an I/O thread issues its next request
         # while the segment it is writing is being checked. A read's piece is checked by the thread that read it
@@ -379,6 +381,17 @@ class SlotIO:
         self.journal.close()
         if self._kvikio is not None:
             self._kvikio.close()
+
+
+def read_threads(io_threads: int, seg: int, piece: int, chunk_bytes: int) -> int:
+    """Read requests in flight at once: `io_threads` whole segments' pieces, doubled where a chunk is read as
+    two or more full pieces, at most _MAX_READ_THREADS. A thread checksums its piece before it takes the next, and
+    with large pieces that left the disk's queue short while the checksums ran (32 MiB chunks, 8 MiB pieces,
+    2 busy threads: 0.93-0.97x raw O_DIRECT with 16 requests in flight, 0.99-1.04x with 32); chunks of one piece
+    (2-4 MiB) read slower with twice the requests in 17 of 18 paired runs
+    (docs/results/2026-12-06-read-requests-in-flight.md)."""
+    blocks = io_threads * (2 if chunk_bytes // piece >= 2 else 1)
+    return min(_MAX_READ_THREADS, blocks * -(-seg // piece))
 
 
 class _NotRead(Exception):
