@@ -6,17 +6,21 @@
     srv.stop()                         # SIGINT as a user would, SIGKILL to the whole session on timeout
 
 The server runs in its own session (process group), its output goes to `workdir/NAME.log`, and `stop()` leaves
-no process behind. Settings for a 2-core machine: one unbound OpenMP thread, 1 GiB of vLLM CPU KV space.
+no process behind, and no file: vLLM's ZMQ IPC sockets go to a directory of the server's own
+(`VLLM_RPC_BASE_PATH`), which `stop()` removes (vLLM leaves them in `$TMPDIR` even after a clean shutdown).
+Settings for a 2-core machine: one unbound OpenMP thread, 1 GiB of vLLM CPU KV space.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -61,7 +65,9 @@ class ServeProcess:
         self.name, self.port, self.model = name, port, str(model)
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(workdir) / f"{name}.log"
-        full_env = dict(os.environ, **SERVER_ENV, **(env or {}))
+        # short (socket paths have 108 bytes) and the server's own: stop() removes it with what vLLM left there
+        self.rpc_dir = tempfile.mkdtemp(prefix="kvtier-rpc-")
+        full_env = {**os.environ, **SERVER_ENV, "VLLM_RPC_BASE_PATH": self.rpc_dir, **(env or {})}
         full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # vLLM's default metrics set-up
         cmd = [sys.executable, "-m", "kvtier.cli", "serve", self.model, "--host", "127.0.0.1", "--port", str(port),
                *vllm_args, *extra]
@@ -119,4 +125,5 @@ class ServeProcess:
                     pass
             if not self._log.closed:
                 self._log.close()
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
         return self.proc.returncode

@@ -168,7 +168,9 @@ def test_clean_shutdown_keeps_the_ssd_tier(served):
     srv = served["servers"]["kvtier"]
     children = psutil.Process(srv.proc.pid).children(recursive=True)
     assert children, "vLLM's engine and worker processes"
+    assert os.listdir(srv.rpc_dir), "vLLM's IPC sockets are in the server's own directory, not $TMPDIR"
     assert srv.stop(sweep=False) == 0, srv.log()[-4000:]
+    assert not os.path.exists(srv.rpc_dir), "stop() leaves none of vLLM's sockets behind"
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, alive
     log = srv.log()
