@@ -17,7 +17,7 @@ fractions of the unique blocks of every replayed request (warm-up and window). T
 Policies: kvtier's lru, arc, s3fifo, fifo, lfu; vLLM's own CPU-offload manager with its LRU and ARC policies,
 with and without its store_threshold=2 admission filter (vllm-*, `kvtier.replay.vllm_offload`; run in this
 interpreter when it has vLLM's kv_offload, else with .venv-cuda/bin/python when that exists); answer-length;
-OURS, the production policy (`--ours`, default `adaptive`); Belady (offline optimum).
+OURS, the policy under test (`--ours`, default `adaptive`); Belady (offline optimum).
 
 Tuning, stated so that no figure hides it: answer-length's defaults were chosen on minutes [0, 15) of the
 conversation trace, so the conversation fold [10, 15) overlaps its tuning. The adaptive policy's half-life and
@@ -72,7 +72,7 @@ from kvtier.replay.traces import TraceRequest, read_trace, unique_blocks
 REPO = Path(__file__).resolve().parents[1]
 SHARED = next((p for p in (REPO.parent / "shared" / "traces", REPO.parent.parent / "shared" / "traces")
                if p.exists()), REPO.parent / "shared" / "traces")  # a checkout beside ../shared, or a worktree
-OURS = "adaptive"  #: the production policy; `--ours` replaces it (ABLATION rows naming it follow `--ours`)
+OURS = "adaptive"  #: the policy under test; `--ours` replaces it (ABLATION rows naming it follow `--ours`)
 ANSWER_LENGTH = "answer-length"
 BASELINES = ["lru", "arc", "s3fifo", "fifo", "lfu"]
 VLLM = [n for n, p in vllm_offload.VLLM_POLICIES.items() if p.cache_policy_module_path is None]  #: vLLM's own policies
@@ -464,7 +464,7 @@ class Report:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ours", default=OURS, help="the production policy's registered name (default %(default)s)")
+    ap.add_argument("--ours", default=OURS, help="the policy under test's registered name (default %(default)s)")
     ap.add_argument("--conversation", default=str(SHARED / "mooncake_conversation_first30min.jsonl"),
                     help="the first 30 minutes of conversation_trace.jsonl of https://github.com/kvcache-ai/Mooncake "
                          "(FAST25-release/traces); see docs/development.md, 'Traces' (default: %(default)s)")
