@@ -61,7 +61,7 @@ def main() -> int:
 
     from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
 
-    places = [tier.io.files.locate_path(tier.index.get(k).slot) for k in keys]
+    places = [tier.io.files.locate_path(tier.entry(k).slot) for k in keys]
     raw_files = {path: kvikio.CuFile(path, "r") for path, _ in places}
 
     def drop():

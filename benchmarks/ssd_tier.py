@@ -16,6 +16,8 @@ timed read; needs root). The work is cut into batches of one LMCache request (8 
 writes (then reads) batch b before any moves on, in a seeded shuffled order per batch (printed for the first
 repeat), so each method's positions and neighbours in a batch average alike and the disk's drift over seconds and
 minutes hits all methods alike. --ab-read-piece-mib N adds the same plugin with reads pieced at N MiB (A/B).
+--sealed adds the same plugin with encryption at rest (`kvtier.encryption_key_file`: AES-256-GCM on the writer and
+reader threads), reported as sealed / plain per batch and its CPU s/GB (the cost of encryption).
 "kvtier plugin prepared" (on unless --no-prepared) is the plugin with `kvtier.prepare_slots`, timed once its slot
 files are zeroed (waited for, untimed): its writes overwrite written blocks, as a tier's writes do once it has been
 full once, where the plain plugin's (and LocalDiskBackend's, always: a new file per chunk) are first fills. Reports
@@ -200,6 +202,7 @@ def rebuild_time(tmp: str, slots: int = 100_000) -> float:
 
 PLUGIN = "kvtier plugin"
 PREPARED = "kvtier plugin prepared"
+SEALED = "kvtier plugin sealed"
 BASELINES = ("LocalDiskBackend", "LocalDiskBackend O_DIRECT")
 CRC_FLOOR = "CRC-32 of a batch in memory"
 
@@ -272,6 +275,13 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
         # timed): its writes overwrite zeroed blocks, as every write of a tier does once it has been full once.
         engines[PREPARED] = (engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-p-{r}")
                              + "  kvtier.prepare_slots: true\n", wait_kvtier, kvtier_backend)
+    if args.sealed:
+        # the same plugin with chunks encrypted at rest (the secret file made here, mode 600)
+        secret = os.path.join(tmp, f"secret-{r}")
+        with open(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(os.urandom(32))
+        engines[SEALED] = (engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-s-{r}")
+                           + f"  kvtier.encryption_key_file: {secret}\n", wait_kvtier, kvtier_backend)
     if args.ab_read_piece_mib:
         # A/B in the same run: the same plugin with reads pieced at another size (e.g. one piece per segment)
         engines[f"{PLUGIN} piece {args.ab_read_piece_mib} MiB"] = (
@@ -447,6 +457,12 @@ def report(title: str, rows: dict[str, list[float]], cpu_rows: dict[str, list[fl
         verdict = "" if target is None else ("PASS" if med >= target else "miss")
         who = "prepared " if num.startswith(PREPARED) else ""
         print(f"  {who}{num.split()[-1]} / {label:<28}= {med:5.2f}  {goal} {verdict}")
+    if f"{SEALED} read" in rows:
+        for op in ("write", "read"):
+            print(f"  sealed {op}: {SEALED} / {PLUGIN} = {paired(rows[f'{SEALED} {op}'], rows[f'{PLUGIN} {op}']):.2f}"
+                  f", / {BASELINES[1]} = {paired(rows[f'{SEALED} {op}'], rows[f'{BASELINES[1]} {op}']):.2f}; CPU "
+                  f"{statistics.median(cpu_rows[f'{SEALED} {op}']):.3f} s/GB against "
+                  f"{statistics.median(cpu_rows[f'{PLUGIN} {op}']):.3f}")
     for b_name in [k[:-len(" read")] for k in rows if k.startswith(f"{PLUGIN} piece") and k.endswith(" read")]:
         for op in ("read", "write"):
             print(f"  A/B {op}: {PLUGIN} / {b_name} = {paired(rows[f'{PLUGIN} {op}'], rows[f'{b_name} {op}']):.2f}; "
@@ -471,6 +487,8 @@ def main() -> int:
     ap.add_argument("--prepared", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the plugin with kvtier.prepare_slots (its slot files zeroed before the timed "
                          "batches, untimed); --no-prepared leaves it out")
+    ap.add_argument("--sealed", action="store_true",
+                    help="also run the plugin with encryption at rest (kvtier.encryption_key_file) and report its cost")
     ap.add_argument("--no-thp", action="store_true",
                     help="leave destinations in ordinary 4 KiB pages (engines' host pools and raw buffers; see "
                          "host_buffer): each reader then reads as fast as its pages happen to be contiguous")

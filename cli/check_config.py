@@ -11,6 +11,10 @@ tier. This command parses the file with LMCache's own loader, validates every `k
 (`kvtier.compat.guard`), and opens the SSD directory (creating it 0700; for the L2 adapter also an O_DIRECT
 probe) to prove it is usable. It warns (and still passes) when the capacity is more than the SSD path's file system
 has free: the tier then stays within what is free, keeping room for its journal.
+
+With `--model MODEL` (a path or a Hugging Face id in the local cache) it also shows the parts of the KV identity
+known before an engine starts (`kvtier.identity`): the weights' fingerprint (or the identity the file declares,
+`kvtier.model_identity`) and the model config's; the engine's start-up log names the whole fingerprint.
 """
 
 from __future__ import annotations
@@ -27,6 +31,48 @@ GIB = 1 << 30
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="LMCache YAML file, or the JSON of an `lmcache server --l2-adapter` spec")
+    p.add_argument("--model", help="also show the KV identity of this model (a path, or a Hugging Face id in the "
+                   "local cache): the fingerprint of its weights and config that every stored chunk carries")
+    p.add_argument("--revision", help="the model's revision (with a Hugging Face id)")
+
+
+def declared_identity(path: str) -> str:
+    """The `model_identity` a configuration file declares ("" for none, and for an L2-adapter spec: the MP server
+    fingerprints each model it serves)."""
+
+    if path.endswith(".json"):
+        spec = _json_object(path, "a JSON configuration")
+        extra = spec.get("kv_connector_extra_config") or {}
+        if spec.get("kv_connector") == "OffloadingConnector":
+            from kvtier.storage_backends.vllm_offload import TIER_CLASS
+
+            tiers = [t for t in extra.get("secondary_tiers", []) if isinstance(t, dict) and t.get("type") == TIER_CLASS]
+            return str(tiers[0].get("model_identity", "")) if tiers else ""
+        if spec.get("kv_connector") == CONNECTOR_NAME:
+            from kvtier.connector.config import load_connector_config
+
+            return load_connector_config(extra, 16, prepare_dir=False).kvtier.model_identity
+        return ""
+    from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+
+    return parse_kvtier_config(load_lmcache_config(path).extra_config).model_identity
+
+
+def identity_report(model: str, declared: str = "", revision: str | None = None) -> str:
+    """The parts of `model`'s KV identity known before an engine starts, one per line."""
+    from kvtier.identity.model import config_digest, read_config, weights_identity
+
+    weights = weights_identity(model, declared, revision)
+    config = read_config(model, revision)
+    how = {"files": "the weight files' content", "hub": "the Hugging Face cache's blob hashes",
+           "declared": f"declared: kvtier.model_identity = {declared!r}",
+           "name": "its name only: the weights cannot be read here"}.get(weights.source, weights.source)
+    return "\n".join([
+        f"KV identity of {model} (every stored chunk carries it; any change of a part = misses, never old KV):",
+        f"  weights: {weights.describe()} from {how}",
+        f"  config:  {config_digest(config)[:12] if config else 'none found (config.json)'}",
+        "  and, named in the engine's start-up log with the whole fingerprint: dtype, quantization, KV cache dtype, "
+        "chunk layout and format version, chunk size, tensor-parallel size and rank"])
 
 
 def check(path: str) -> str:
@@ -328,6 +374,8 @@ def check_vllm_offloading_json(path: str) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         print(check(args.file))
+        if args.model:
+            print(identity_report(args.model, declared_identity(args.file), args.revision))
         return 0
     except ConfigError as e:
         print(f"kvtier check-config: ERROR: {e}", file=sys.stderr)

@@ -236,7 +236,7 @@ def _lmcache_yaml(path: Path, cfg: str, chunk: int, host_mb: float, ssd_dir: Pat
     if cfg.startswith("shared-"):
         kw = {"base": "lmcache-kvtier-redis.yaml", "redis_port": redis_port,
               "replace": {"writes: all": f"writes: {cfg.removeprefix('shared-')}",
-                          "    # model_id:": f"    min_history_chunks: {min_history}\n    # model_id:"}}
+                          "    # timeout_s:": f"    min_history_chunks: {min_history}\n    # timeout_s:"}}
     write_lmcache_yaml(path, ssd_path=ssd_dir, chunk_size=chunk, host_gb=f"{host_mb / 1024:.9f}",
                        ssd_capacity_gb=f"{ssd_mb / 1024:.9f}", extra={"chunk_format": "page_first"}, **kw)
 

@@ -8,6 +8,11 @@ must finish before their blocks are reused), finished requests whose blocks vLLM
 and finished requests (answer-length feedback for the storage side's eviction policy). Scheduler <-> storage
 lookups and prefetch commands travel over the connector's own RPC (`kvtier.connector.rpc`, typed msgspec requests
 and replies), whose replies carry `LookupResult` / `PrefetchResult`.
+
+Token ids in these messages are a request's *key tokens* (`RequestIdentity.key_tokens`: multimodal placeholders
+replaced by ids of the items) and `tag` its identity tag (cache salt, LoRA adapter, prompt embeddings; "" for
+none): the worker derives chunk keys from both and nothing else, so chunks of two requests are the same chunk
+exactly when vLLM would share their KV.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class LoadSpec:
     #: chunk-aligned token where the load stops reading the host tier and streams the rest from the SSD tier
     #: through the worker's bounded staging area (None: the whole load is in the host tier)
     stream_from: int | None = None
+    tag: str = ""  # the request's identity tag (keys)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class SaveSpec:
     #: names the save in `KVTierWorkerMetadata.completed_saves` (unique per engine)
     job_id: int = 0
     share: bool = True  # also write the new chunks to the shared tier (if there is one)
+    tag: str = ""  # the request's identity tag (keys)
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class FinishedSpec:
     prompt_tokens: int
     answer_tokens: int
     finished_at: float
+    tag: str = ""  # the request's identity tag (keys)
 
 
 @dataclass

@@ -100,7 +100,8 @@ class Ping(Request[PingReply], tag="ping"):
 
 class Lookup(Request[LookupReply], tag="lookup"):
     rid: str
-    tokens: list[int]
+    tokens: list[int]  # key tokens (`RequestIdentity.key_tokens`)
+    tag: str = ""  # the request's identity tag
     pin: bool = False  # pin the host-resident prefix for the request (until its load or release)
     first: bool = False  # the request's first lookup (it arrived): the eviction policies hear of it
     #: requests finished since the last engine step, sent ahead of a new request's first lookup
@@ -109,7 +110,8 @@ class Lookup(Request[LookupReply], tag="lookup"):
 
 class Prefetch(Request[Ack], tag="prefetch"):
     rid: str
-    tokens: list[int]
+    tokens: list[int]  # key tokens
+    tag: str = ""  # the request's identity tag
 
 
 class Poll(Request[PollReply], tag="poll"):

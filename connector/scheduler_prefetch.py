@@ -76,9 +76,10 @@ class PrefetchQueue:
             return self.policy.next_prefetch(now)
         return self.local.pop(now)
 
-    def issue(self, rid: str, tokens: list[int], now: float) -> None:
-        """Start a request's prefetch on every rank (RPCError: it did not start)."""
-        self.client.call(Prefetch(rid=rid, tokens=tokens))
+    def issue(self, rid: str, tokens: list[int], now: float, tag: str = "") -> None:
+        """Start a request's prefetch on every rank (RPCError: it did not start); `tokens`: its key tokens, `tag`:
+        its identity tag."""
+        self.client.call(Prefetch(rid=rid, tokens=tokens, tag=tag))
         self.inflight[rid] = now
 
     def finished(self, rid: str) -> None:

@@ -27,6 +27,10 @@
 - Hints count `inflight_tokens`: an admitted request's prompt chunks are *computing* until their save is done; a
   waiting request whose prefix continues into them sees them in flight (kvtier's dual-queue policy defers it
   rather than recomputing them: while the policy `holds` it, `get_num_new_matched_tokens` answers "not yet").
+- Identity: every lookup, prefetch, load, save and finished request names the request's key tokens and identity
+  tag (`kvtier.identity.request.RequestIdentity`: cache salt, LoRA adapter, multimodal items, prompt embeddings),
+  as do its computing chunks: no request reads, waits for or is hinted about another identity's chunks. A request
+  whose identity cannot be read neither reads nor writes kvtier's tiers (logged).
 
 The policy is typed by its contract (`kvtier.scheduler_hooks.base.SchedulingPolicy`, checked when it is handed
 over). Kept apart: the prefetch queue (`connector/scheduler_prefetch.py`) and the per-request, computing-chunk and
@@ -57,6 +61,7 @@ from kvtier.connector.messages import (
 from kvtier.connector.rpc import Flush, Lookup, Release, RPCClient, RPCError, Stats, endpoint
 from kvtier.connector.scheduler_prefetch import PrefetchQueue
 from kvtier.connector.scheduler_state import ComputingChunks, FixedPlan, RequestState, SaveJobs
+from kvtier.identity.request import RequestIdentity
 from kvtier.scheduler_hooks.base import SchedulingPolicy
 from kvtier.scheduler_hooks.hint_derivation import derive_tier_hint
 from kvtier.scheduler_hooks.load_plan import LoadAction, LoadPlanner, PlanContext
@@ -85,7 +90,8 @@ class SchedulerSide:
         self.counters = {"lookups": 0, "rpc_errors": 0, "prefetches": 0, "prefetch_failures": 0, "none_answers": 0,
                          "delay_hit_waits": 0, "async_loads": 0, "sync_loads": 0, "delayed_frees": 0,
                          "plan_recompute_ssd": 0, "idle_replans": 0, "ssd_observations": 0,
-                         "steps_during_async_loads": 0, "tokens_during_async_loads": 0, "idle_steps": 0}
+                         "steps_during_async_loads": 0, "tokens_during_async_loads": 0, "idle_steps": 0,
+                         "identity_errors": 0}
         self.world = world
         self.saves = SaveJobs(world)
         self._async_loads: list[LoadSpec] = []  # allocated this step, go out with the next metadata
@@ -180,14 +186,29 @@ class SchedulerSide:
             return True
         return st.lookup.ssd_tokens > 0 and (hint.plan is None or hint.plan.waits_for_ssd)
 
+    def _state(self, request: Any) -> RequestState:
+        """A new request's state, with its identity (None, logged, when it cannot be read)."""
+        st = RequestState(request, float(request.arrival_time or time.time()))
+        try:
+            st.identity = RequestIdentity.of(request)
+        except Exception:  # noqa: BLE001 - never into the engine; the request then bypasses kvtier's tiers
+            st.identity = None
+            self.counters["identity_errors"] += 1
+            logger.exception("kvtier: cannot read the identity (cache salt, LoRA adapter, multimodal items) of "
+                             "request %s; it neither reads nor writes kvtier's tiers", request.request_id)
+        return st
+
     def _lookup(self, st: RequestState, tokens: list[int], pin: bool, first: bool = False) -> LookupResult:
+        if st.identity is None:
+            return LookupResult()
         self.counters["lookups"] += 1
         # Answers of requests finished since the last engine step travel ahead of a new request's first lookup:
         # on an idle engine the next step only comes with the next request, and a conversation's next turn must
         # not reach the eviction policies before the answer of the turn it follows.
         sent, self.finished = (self.finished, []) if first else ([], self.finished)
         try:
-            reps = self.client.call(Lookup(rid=st.rid, tokens=tokens, pin=pin, first=first, finished=sent))
+            reps = self.client.call(Lookup(rid=st.rid, tokens=st.key_tokens(tokens), tag=st.tag, pin=pin, first=first,
+                                           finished=sent))
         except RPCError as e:
             self.counters["rpc_errors"] += 1
             self.finished = sent + self.finished  # they go with the next step's metadata instead
@@ -222,7 +243,7 @@ class SchedulerSide:
             if st is None or st.prefetch != "queued":
                 continue
             try:
-                self.prefetches.issue(rid, list(st.request.all_token_ids), now)
+                self.prefetches.issue(rid, st.key_tokens(), now, st.tag)
             except RPCError as e:
                 logger.warning("kvtier: cannot issue the prefetch of %s (%s)", rid, e)
                 self._prefetched(st, False, now)
@@ -254,7 +275,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ vLLM scheduler hooks
     def on_new_request(self, request: Any) -> None:
-        st = RequestState(request, float(request.arrival_time or time.time()))
+        st = self._state(request)
         self.reqs[request.request_id] = st
         st.lookup = self._lookup(st, list(request.all_token_ids), pin=False, first=True)
         hint = self._publish(st)
@@ -268,7 +289,7 @@ class SchedulerSide:
         rid = request.request_id
         st = self.reqs.get(rid)
         if st is None:  # not seen by on_new_request (e.g. created before the connector)
-            st = self.reqs[rid] = RequestState(request, float(request.arrival_time or time.time()))
+            st = self.reqs[rid] = self._state(request)
         st.gpu_tokens = num_computed_tokens
         self.pump()
         if st.prefetch in ("queued", "inflight") and not st.recompute_ssd:
@@ -359,8 +380,8 @@ class SchedulerSide:
                 load_end = gpu_cached + num_external_tokens
             if stream_from is not None and stream_from >= load_end:
                 stream_from = None
-            spec = LoadSpec(request.request_id, list(request.all_token_ids)[:load_end], block_ids, gpu_cached,
-                            load_end, is_async=is_async, stream_from=stream_from)
+            spec = LoadSpec(request.request_id, st.key_tokens()[:load_end], block_ids, gpu_cached,
+                            load_end, is_async=is_async, stream_from=stream_from, tag=st.tag)
             if is_async:  # vLLM parks the request (WAITING_FOR_REMOTE_KVS): its blocks are final now
                 self._async_loads.append(spec)
                 st.loading = st.reallocating = True
@@ -382,7 +403,8 @@ class SchedulerSide:
         M.HIT_TOKENS.labels("miss").inc(max(0, request.num_tokens - st.gpu_tokens - num_external_tokens))
         M.QUERY_TOKENS.inc(request.num_tokens)
         st.pending_load = None
-        self.computing.start(st, max(st.saved_upto, st.gpu_tokens + num_external_tokens))
+        if st.identity is not None:
+            self.computing.start(st, max(st.saved_upto, st.gpu_tokens + num_external_tokens))
 
     def _shares(self, st: RequestState, num_external_tokens: int) -> bool:
         """Whether an admitted request's new chunks go to the shared tier (`kvtier.shared.writes`): `all`, `none`,
@@ -436,15 +458,15 @@ class SchedulerSide:
                 st.load_spec = None
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs.get(rid)
-            if st is None:
+            if st is None or st.identity is None:
                 continue
             toks = st.request.all_token_ids
             kv_end = min(st.computed + int(n), len(toks), len(st.block_ids) * self.block_size)
             save_end = kv_end // self.chunk * self.chunk
             if save_end > st.saved_upto:
                 job = self.saves.issue(st, st.saved_upto, save_end)
-                md.saves.append(SaveSpec(rid, list(toks[:save_end]), list(st.block_ids), st.saved_upto, job_id=job,
-                                          share=st.share))
+                md.saves.append(SaveSpec(rid, st.key_tokens(toks[:save_end]), list(st.block_ids), st.saved_upto,
+                                         job_id=job, share=st.share, tag=st.tag))
                 st.saved_upto = save_end
         for rid in so.preempted_req_ids or ():
             md.preempted.append(rid)  # the worker finishes their saves before this step's forward pass
@@ -539,8 +561,10 @@ class SchedulerSide:
             self.computing.done(st, None, start=self.saves.pending_end(st))
         self.hints.pop(rid, None)
         self.prefetches.forget(rid)
-        self.finished.append(FinishedSpec(rid, list(request.all_token_ids), int(request.num_prompt_tokens),
-                                          int(request.num_output_tokens), time.time()))
+        known = st if st is not None else self._state(request)  # never seen: its identity for the feedback
+        if known.identity is not None:  # (no identity: it took no pins and its answer concerns no chain here)
+            self.finished.append(FinishedSpec(rid, known.key_tokens(), int(request.num_prompt_tokens),
+                                              int(request.num_output_tokens), time.time(), known.tag))
         if delay:
             self.saves.hold(rid)
             self.counters["delayed_frees"] += 1

@@ -1,7 +1,7 @@
 """What the connector's scheduler side keeps per request and per engine, apart from its decisions.
 
-- `RequestState`: one waiting or running request as the scheduler side sees it (its lookup, prefetch phase, plan,
-  blocks, what is saved and what is being loaded).
+- `RequestState`: one waiting or running request as the scheduler side sees it (its identity, lookup, prefetch
+  phase, plan, blocks, what is saved and what is being loaded).
 - `ComputingChunks`: the prompt chunks admitted requests are computing right now (not yet saved); a waiting
   request whose prefix continues into them counts them in flight (`TierHint.inflight_tokens`: Strata's delay hit).
 - `SaveJobs`: save jobs sent to the worker ranks and not yet reported done by every rank, and the finished
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.connector.messages import LoadSpec, LookupResult, PrefetchResult
+from kvtier.identity.request import RequestIdentity
 from kvtier.scheduler_hooks.hint_derivation import count_inflight
 from kvtier.scheduler_hooks.load_plan import LoadPlan
 
@@ -24,6 +25,9 @@ __all__ = ["ComputingChunks", "FixedPlan", "RequestState", "SaveJobs", "prefix_c
 class RequestState:
     request: Any  # vLLM's Request
     arrival: float
+    #: what its chunk keys are derived from besides its tokens (None: its identity could not be read; the request
+    #: then neither reads nor writes kvtier's tiers)
+    identity: RequestIdentity | None = field(default_factory=RequestIdentity)
     lookup: LookupResult = field(default_factory=LookupResult)
     gpu_tokens: int = 0
     prefetch: str = "none"  # none | queued | inflight | done | failed
@@ -54,6 +58,15 @@ class RequestState:
     def rid(self) -> str:
         return self.request.request_id
 
+    @property
+    def tag(self) -> str:
+        return self.identity.tag if self.identity is not None else ""
+
+    def key_tokens(self, tokens: Any = None) -> list[int]:
+        """The key tokens of `tokens` (default: all of the request's tokens so far)."""
+        toks = self.request.all_token_ids if tokens is None else tokens
+        return self.identity.key_tokens(toks) if self.identity is not None else list(toks)
+
 
 class FixedPlan:
     """Hands `derive_tier_hint` a plan already made (a re-derived hint whose inputs did not change keeps its
@@ -68,11 +81,12 @@ class FixedPlan:
         return self._plan
 
 
-def prefix_chunk_keys(tokens: Any, chunk: int) -> list[int]:
-    """A key per full chunk of `tokens`, naming the whole prefix up to that chunk's end (chained hashes): two
-    prompts share key i exactly when (up to hash collisions, harmless in a scheduling hint) they share their
-    first (i + 1) * chunk tokens."""
-    keys, h = [], 0
+def prefix_chunk_keys(tokens: Any, chunk: int, tag: str = "") -> list[int]:
+    """A key per full chunk of `tokens` (key tokens), naming the whole prefix up to that chunk's end and the
+    request's identity `tag` (chained hashes): two prompts share key i exactly when (up to hash collisions,
+    harmless in a scheduling hint) they share their first (i + 1) * chunk key tokens and their tag, so a request
+    never waits for chunks another tenant computes."""
+    keys, h = [], hash(tag) if tag else 0
     for i in range(len(tokens) // chunk):
         h = hash((h, tuple(tokens[i * chunk:(i + 1) * chunk])))
         keys.append(h)
@@ -91,7 +105,8 @@ class ComputingChunks:
 
     def keys(self, st: RequestState) -> list[int]:
         if st.chunk_keys is None:
-            st.chunk_keys = prefix_chunk_keys(st.request.prompt_token_ids, self.chunk)
+            st.chunk_keys = (prefix_chunk_keys(st.key_tokens(st.request.prompt_token_ids), self.chunk, st.tag)
+                             if st.identity is not None else [])
         return st.chunk_keys
 
     def inflight_tokens(self, st: RequestState, resident: int) -> int:

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class SharedSide:
-    def __init__(self, tier: SharedTier, chunks: Callable[[list[int]], list[tuple[int, int, Any]]],
+    def __init__(self, tier: SharedTier, chunks: Callable[[list[int], str], list[tuple[int, int, Any]]],
                  chunk_size: int) -> None:
         self.tier = tier
         self._chunks = chunks
@@ -53,13 +53,14 @@ class SharedSide:
         with self._lock:
             self._seen.pop(rid, None)
 
-    def share_saved(self, token_ids: list[int], skip: int) -> None:
-        """Queue the full chunks of `token_ids` from token `skip` on for the store (returns at once)."""
-        self._pool.submit(self._share, list(token_ids), int(skip))
+    def share_saved(self, token_ids: list[int], skip: int, tag: str = "") -> None:
+        """Queue the full chunks of key tokens `token_ids` (identity tag `tag`) from token `skip` on for the store
+        (returns at once)."""
+        self._pool.submit(self._share, list(token_ids), int(skip), tag)
 
-    def _share(self, token_ids: list[int], skip: int) -> None:
+    def _share(self, token_ids: list[int], skip: int, tag: str) -> None:
         try:
-            keys = [k for s, e, k in self._chunks(token_ids) if s >= skip and e - s == self.chunk_size]
+            keys = [k for s, e, k in self._chunks(token_ids, tag) if s >= skip and e - s == self.chunk_size]
             self.tier.submit_writes(keys)
         except Exception:  # noqa: BLE001 - a lost shared write is a later miss elsewhere, never an engine error
             logger.exception("kvtier: queueing shared writes failed")

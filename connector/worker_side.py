@@ -20,6 +20,10 @@
   (`finished_sending`); a preempted request's saves finish in `handle_preemptions`, before the step's forward pass
   may overwrite its blocks.
 - Finished requests' answer lengths and chunk chains reach the SSD tier's eviction policy.
+- Identity: chunk keys are LMCache's keys of a request's key tokens with its identity tag as a key tag
+  (`request_configs`), in every lookup, prefetch, load, stream, save and shared write; LMCache's metadata names the
+  model by this engine's fingerprint (`kvtier.identity.model`: weights, config, dtype, quantization, KV dtype,
+  layout, chunk size, parallelism), so no chunk of another tenant or another model is ever found.
 - A step that schedules no token (`KVTierConnectorMetadata.idle`) waits in `get_finished`, GIL released, until a
   transfer job or a prefetch ends, at most `idle_wait_ms`: an engine stepping in the caller's thread would
   otherwise spin, holding the GIL the transfer thread needs to finish the load the engine is waiting for.
@@ -64,7 +68,9 @@ from kvtier.connector.rpc import (
 )
 from kvtier.connector.ssd_stream import SSDStream
 from kvtier.connector.transfers import StreamFence, TransferJob, TransferQueue
-from kvtier.connector.worker_storage import SSDTierHandle, WorkerStorage
+from kvtier.connector.worker_storage import SSDTierHandle, WorkerStorage, request_configs
+from kvtier.identity.model import FINGERPRINT_PREFIX, ModelFingerprint
+from kvtier.identity.vllm import engine_fingerprint
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.eviction import session_signals
 
@@ -114,6 +120,8 @@ class WorkerSide:
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.instance_id = f"kvtier-{self.engine_id}-r{self.rank}"
         self.engine: Any = None
+        #: what computes this rank's KV (set when the KV caches are registered)
+        self.fingerprint: ModelFingerprint | None = None
         self.host: Any = None  # LMCache LocalCPUBackend
         self.ssd: SSDTierHandle | None = None  # kvtier's SSD tier, through the LMCache plugin that owns it
         self.shared: SharedSide | None = None  # when the LMCache config names a shared store
@@ -196,8 +204,12 @@ class WorkerSide:
         heads, head_dim = mc.get_num_kv_heads(pc), mc.get_head_size()
         kind = KVLayoutKind(self._detect_layout(names, heads, head_dim))
         chunk = self.cfg.chunk_size
+        self.fingerprint = engine_fingerprint(self.vllm_config, self.cfg, self.kv_list[0].dtype, self.rank)
+        logger.info("kvtier: KV identity of rank %d: %s (weights fingerprinted in %.2f s)", self.rank,
+                    self.fingerprint.describe(), self.fingerprint.weights.seconds)
         md = LMCacheMetadata(
-            model_name=str(mc.model), world_size=self.world, local_world_size=self.world, worker_id=self.rank,
+            model_name=FINGERPRINT_PREFIX + self.fingerprint.digest, world_size=self.world,
+            local_world_size=self.world, worker_id=self.rank,
             local_worker_id=self.rank, kv_dtype=self.kv_list[0].dtype,
             kv_shape=(len(self.kv_list), 2, chunk, heads, head_dim), chunk_size=chunk, role="worker",
         )
@@ -260,8 +272,14 @@ class WorkerSide:
         # the shared keys name kvtier's chunk layout: engines of another page size, chunk size or KV geometry (or
         # another model: LMCache's key names it) never read these chunks
         tag = f"pf{self.cfg.page_tokens}.c{self.cfg.chunk_size}.L{len(self.kv_list)}.H{heads}x{head_dim}"
+        sealer = None
+        if self.cfg.kvtier.encryption_key_file:  # the store holds sealed envelopes, under keys naming the secret
+            from kvtier.identity.request import tenant_of_key
+            from kvtier.storage_backends.ssd.sealing import ChunkSealer, load_secret
+
+            sealer = ChunkSealer(load_secret(self.cfg.kvtier.encryption_key_file), tenant_of_key)
         tier = attach_shared_tier(self.engine, expected_layout(md, "page_first", self.cfg.page_tokens), tag,
-                                  self.cfg.shared, model_id=self.cfg.shared.model_id)
+                                  self.cfg.shared, sealer)
         if tier is None:
             from kvtier.storage_backends.config import ConfigError
 
@@ -288,10 +306,10 @@ class WorkerSide:
     def _on_lookup(self, req: Lookup) -> LookupReply:
         if req.finished:
             self._feedback(req.finished)
-        return LookupReply(self._storage().lookup(req.rid, req.tokens, req.pin, req.first))
+        return LookupReply(self._storage().lookup(req.rid, req.tokens, req.pin, req.first, req.tag))
 
     def _on_prefetch(self, req: Prefetch) -> Ack:
-        self._storage().submit_prefetch(req.rid, req.tokens)
+        self._storage().submit_prefetch(req.rid, req.tokens, req.tag)
         return Ack()
 
     def _on_poll(self, req: Poll) -> PollReply:
@@ -309,16 +327,17 @@ class WorkerSide:
     def _on_stats(self, req: Stats) -> StatsReply:
         return self._storage().stats()
 
-    def _chunks(self, tokens: list[int]) -> list[tuple[int, int, Any]]:
+    def _chunks(self, tokens: list[int], tag: str = "") -> list[tuple[int, int, Any]]:
+        """(start, end, LMCache key) of each chunk of key tokens `tokens` of a request with identity tag `tag`."""
         if not tokens:
             return []
         t = torch.tensor(tokens, dtype=torch.long)
-        return list(self.engine.token_database.process_tokens(tokens=t))
+        return list(self.engine.token_database.process_tokens(tokens=t, request_configs=request_configs(tag)))
 
-    def _full_chain(self, tokens: list[int]) -> list[Any]:
+    def _full_chain(self, tokens: list[int], tag: str = "") -> list[Any]:
         """LMCache keys of the full chunks of a token sequence (the session chain it extends)."""
         c = self.cfg.chunk_size
-        return [key for s, e, key in self._chunks(tokens) if e - s == c]
+        return [key for s, e, key in self._chunks(tokens, tag) if e - s == c]
 
     def release(self, rid: str) -> None:
         """Drop the request's host-memory pins (and its prefetch's result; a running prefetch releases them when
@@ -340,7 +359,8 @@ class WorkerSide:
             try:
                 # the chain the request was announced with (its prompt's full chunks): the policies match the
                 # answer to that session; the answer's own chunks belong to the next turn's prompt
-                session_signals.request_finished(self._full_chain(f.token_ids[:f.prompt_tokens]), f.answer_tokens)
+                session_signals.request_finished(self._full_chain(f.token_ids[:f.prompt_tokens], f.tag),
+                                                 f.answer_tokens)
                 M.FEEDBACK.inc()
                 self._stat(feedback=1)
             except Exception:
@@ -389,9 +409,10 @@ class WorkerSide:
                 mask = torch.ones(host_end, dtype=torch.bool)
                 mask[:skip] = False
                 ret = self.engine.retrieve(tokens, mask, kvcaches=self.kv_list, slot_mapping=slots[:host_end],
-                                           vllm_cached_tokens=cached, req_id=spec.req_id)
+                                           vllm_cached_tokens=cached, req_id=spec.req_id,
+                                           request_configs=request_configs(spec.tag))
                 if self.storage is not None:
-                    self.storage.after_retrieve(spec.req_id, spec.token_ids[:host_end], ret, skip)
+                    self.storage.after_retrieve(spec.req_id, spec.token_ids[:host_end], ret, skip, spec.tag)
                 got = ret[cached:host_end]
                 if not bool(got.all()):
                     return cached + int((~got).nonzero()[0])
@@ -405,7 +426,7 @@ class WorkerSide:
     def _stream(self, spec: LoadSpec, start: int, slots: torch.Tensor) -> int | None:
         """The SSD-resident rest of a load, from `start` (chunk-aligned), through the bounded staging area."""
         assert self.stream is not None
-        chunks = [c for c in self._chunks(spec.token_ids[:spec.load_end]) if c[0] >= start]
+        chunks = [c for c in self._chunks(spec.token_ids[:spec.load_end], spec.tag) if c[0] >= start]
         res = self.stream.load(chunks, kvcaches=self.kv_list, slot_mapping=slots, vllm_cached_tokens=spec.gpu_cached)
         streamed = (res.bad_from if res.bad_from is not None else spec.load_end) - start
         M.STREAMED_TOKENS.inc(max(streamed, 0))
@@ -544,7 +565,7 @@ class WorkerSide:
             return
         if self.shared is not None and spec.share and stored_end > spec.skip:
             # queued for the shared tier's helper thread: returns at once
-            self.shared.share_saved(spec.token_ids[:stored_end], spec.skip)
+            self.shared.share_saved(spec.token_ids[:stored_end], spec.skip, spec.tag)
         dt = time.monotonic() - t0
         M.SAVE_SECONDS.observe(dt)
         M.SAVE_BYTES.inc((stored_end - spec.skip) * self._token_bytes())
@@ -567,7 +588,8 @@ class WorkerSide:
             mask = torch.ones(n, dtype=torch.bool)
             mask[:skip] = False
             with watch.scope("store") as sc:
-                self.engine.store(tokens, mask=mask, kvcaches=self.kv_list, slot_mapping=slots, req_id=spec.req_id)
+                self.engine.store(tokens, mask=mask, kvcaches=self.kv_list, slot_mapping=slots, req_id=spec.req_id,
+                                  request_configs=request_configs(spec.tag))
             skip += sc.ok * self.cfg.chunk_size
             if not sc.failed or skip >= n:
                 return n

@@ -47,8 +47,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SSDTierHandle", "WorkerStorage"]
 
-#: the chunks of a token sequence: (start, end, LMCache key), in order
-Chunks = Callable[[list[int]], list[tuple[int, int, Any]]]
+#: the chunks of a request's key tokens, with its identity tag: (start, end, LMCache key), in order
+Chunks = Callable[[list[int], str], list[tuple[int, int, Any]]]
+#: the LMCache key tag that carries a request's identity tag (`CacheEngineKey` tags: part of the key's equality,
+#: hash and string)
+IDENTITY_TAG = "lmcache.tag.kvtier_id"
+
+
+def request_configs(tag: str) -> dict[str, str] | None:
+    """LMCache's `request_configs` for a request with identity tag `tag` (None: a plain request, plain keys)."""
+    return {IDENTITY_TAG: tag} if tag else None
 
 
 class SSDTierHandle:
@@ -199,11 +207,12 @@ class WorkerStorage:
             return True
         return False
 
-    def lookup(self, rid: str, tokens: list[int], pin: bool = False, first: bool = False) -> LookupResult:
+    def lookup(self, rid: str, tokens: list[int], pin: bool = False, first: bool = False, tag: str = ""
+               ) -> LookupResult:
         ssd = self.ssd
         host_end = hit_end = ssd_tokens = ssd_bytes = remote_tokens = 0
         host_run = True
-        chunks = self._chunks(tokens)
+        chunks = self._chunks(tokens, tag)
         missing = None  # first chunk in neither local tier
         with self._lock:
             for i, (start, end, key) in enumerate(chunks):
@@ -239,20 +248,20 @@ class WorkerStorage:
             if rid in self._prefetching:
                 self._cancelled.add(rid)  # the prefetch releases its pins when it ends
 
-    def submit_prefetch(self, rid: str, tokens: list[int]) -> None:
+    def submit_prefetch(self, rid: str, tokens: list[int], tag: str = "") -> None:
         with self._lock:
             self._prefetching.add(rid)
             self._cancelled.discard(rid)
-        self._prefetch_pool.submit(self._prefetch, rid, tokens)
+        self._prefetch_pool.submit(self._prefetch, rid, tokens, tag)
 
-    def _prefetch(self, rid: str, tokens: list[int]) -> None:
+    def _prefetch(self, rid: str, tokens: list[int], tag: str = "") -> None:
         t0 = time.monotonic()
         if self.options.debug_prefetch_delay_s:
             time.sleep(self.options.debug_prefetch_delay_s)
         own: dict[Any, threading.Event] = {}  # chunks this prefetch reads for every prefetch that needs them
         acc = [0, 0, True]  # bytes and tokens put into the host tier, whether every chunk arrived
         try:
-            todo, waits, chunks, missing = [], [], self._chunks(tokens), None
+            todo, waits, chunks, missing = [], [], self._chunks(tokens, tag), None
             with self._lock:
                 for i, (start, end, key) in enumerate(chunks):
                     # Pin what is already in host memory: the chunks this prefetch brings in must not evict it.
@@ -297,7 +306,7 @@ class WorkerStorage:
             with self._lock:
                 self._signal(own)
                 host_end = 0
-                for _, end, key in self._chunks(tokens):
+                for _, end, key in self._chunks(tokens, tag):
                     if not self._pin(rid, key):
                         break
                     host_end = end
@@ -346,14 +355,15 @@ class WorkerStorage:
             landing.set()
         own.clear()
 
-    def after_retrieve(self, rid: str, tokens: list[int], ret: torch.Tensor, skip: int) -> None:
+    def after_retrieve(self, rid: str, tokens: list[int], ret: torch.Tensor, skip: int, tag: str = "") -> None:
         """A load of `rid` retrieved `tokens` (`ret`: which arrived; the first `skip` were not asked for). LMCache
         <= 0.5.5 released one pin of each chunk its retrieve returned (`kvtier.compat.lmcache_retrieve_pins`):
         those are no longer this request's to release."""
         if not self._retrieve_pins.consumes_pins:
             return
         try:
-            retrieved = [k for start, end, k in self._chunks(tokens) if start >= skip and bool(ret[start:end].all())]
+            retrieved = [k for start, end, k in self._chunks(tokens, tag)
+                         if start >= skip and bool(ret[start:end].all())]
         except Exception:  # then they are released twice: LMCache logs it and clamps the count at 0
             logger.exception("kvtier: cannot tell which chunks the retrieve of %s unpinned", rid)
             return

@@ -42,6 +42,8 @@ class KVTierConfig:
     max_inflight_write_mb: int = 2048
     backpressure_timeout_s: float = 10.0
     pin_timeout_s: float = 600.0
+    model_identity: str = ""
+    encryption_key_file: str = ""
 
     @property
     def capacity_bytes(self) -> int:
@@ -104,6 +106,19 @@ KEYS: tuple[KeySpec, ...] = (
             "chunk is dropped from the SSD tier (counted in kvtier_ssd_dropped_puts_total).", minimum=0.0),
     KeySpec("pin_timeout_s", "float", "A pin (taken by a lookup) that nobody releases expires after this long, "
             "so leaked pins cannot block eviction forever.", minimum=0.0),
+    KeySpec("model_identity", "str", "Declares the identity of the model's weights instead of kvtier's content "
+            "fingerprint of the weight files (the default). Every stored chunk is keyed by a fingerprint of the "
+            "weights, the model config, the KV dtype, the chunk layout, the parallelism and the chunk size: any "
+            "change makes the old chunks misses, never old KV. Builds that declare the same name share KV (the "
+            "other parts must still agree): use it for a checkpoint copied or re-saved unchanged, and change it "
+            "for a change the fingerprint cannot see (docs/design/identity.md). `kvtier check-config --model` "
+            "shows the fingerprint."),
+    KeySpec("encryption_key_file", "str", "Encrypts chunks at rest (off when unset): a file holding the operator's "
+            "secret (at least 32 random bytes; a regular file owned by this user, mode 600). Each tenant (a request's "
+            "cache salt, LoRA adapter and prompt embeddings) gets its own AES-256-GCM key derived from it; chunks are "
+            "authenticated with their key, and the slot checksums still guard against damage. Changing or removing "
+            "the secret makes the stored chunks another identity's (never decrypted wrongly, reclaimed first). "
+            "Costs CPU on every SSD read and write (docs/results); SSD reads then never go straight into GPU memory."),
 )
 _SPECS = {k.name: k for k in KEYS}
 
@@ -160,6 +175,11 @@ def _build(merged: dict[str, Any], label: Callable[[str], str], where: str, exam
         raise ConfigError(f"missing {', '.join(label(m) for m in missing)} in {where}; e.g. {example}")
     values = {name: _coerce(_SPECS[name], raw, label(name)) for name, raw in merged.items()}
     values["ssd_path"] = os.path.abspath(os.path.expanduser(values["ssd_path"]))
+    if "encryption_key_file" in values:
+        from kvtier.storage_backends.ssd.sealing import load_secret
+
+        values["encryption_key_file"] = os.path.abspath(os.path.expanduser(values["encryption_key_file"]))
+        load_secret(values["encryption_key_file"], label("encryption_key_file"))  # unsafe or short: fail now
     from kvtier.storage_backends.eviction import make_policy
 
     try:
@@ -210,6 +230,8 @@ MP_EXCLUDED_KEYS = {
     "chunk_format": "has no meaning in LMCache's multiprocess mode (each object carries its own layout, checked "
                     "against every load's destination)",
     "page_tokens": "has no meaning in LMCache's multiprocess mode (kvtier's page-first kernels are not used there)",
+    "model_identity": "has no meaning in LMCache's multiprocess mode (the server keys each model's chunks by the "
+                      "fingerprint of the weight files its key names)",
 }
 
 

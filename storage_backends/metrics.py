@@ -15,6 +15,8 @@ SSD_EVICTIONS = counter("kvtier_ssd_evictions_total", "Chunks evicted from the S
 SSD_BYTES_READ = counter("kvtier_ssd_read_bytes_total", "Bytes read from the SSD tier")
 SSD_BYTES_WRITTEN = counter("kvtier_ssd_written_bytes_total", "Bytes written to the SSD tier")
 SSD_USED_BYTES = gauge("kvtier_ssd_used_bytes", "Bytes of committed slots in the SSD tier")
+SSD_FOREIGN_CHUNKS = gauge("kvtier_ssd_foreign_chunks", "Committed chunks of another KV identity (other weights, "
+                           "config, layout, ...) in the SSD tier: never served, reclaimed first")
 SSD_PREPARED_BYTES = counter("kvtier_ssd_prepared_bytes_total", "Bytes of slot files zeroed ahead of use "
                              "(kvtier.prepare_slots)")
 SSD_INFLIGHT_WRITE_BYTES = gauge("kvtier_ssd_inflight_write_bytes", "Host bytes held by queued SSD writes")

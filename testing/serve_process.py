@@ -94,6 +94,11 @@ class ServeProcess:
         return http_post(self.url + "/v1/chat/completions", {"model": self.model, "messages": messages,
                                                             "max_tokens": max_tokens, "temperature": 0.0})
 
+    def complete(self, prompt: list[int] | str, max_tokens: int = 16, **body: Any) -> dict[str, Any]:
+        """A greedy completion (OpenAI completions API); `body` adds fields such as `cache_salt`."""
+        return http_post(self.url + "/v1/completions", {"model": self.model, "prompt": prompt,
+                                                       "max_tokens": max_tokens, "temperature": 0.0, **body})
+
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """/metrics as {(sample name, ((label, value), ...)): value}, labels other than engine/model dropped."""
         from prometheus_client.parser import text_string_to_metric_families

@@ -148,13 +148,14 @@ class EngineProcess:
         return json.loads(self._line(_RESULT, timeout))
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 16, *, logprobs: bool = False,
-                 flush: bool = False, timeout: float = 300) -> dict:
-        """Greedy generation (ignore_eos) of one batch of token-id prompts. Returns {"outputs": [{"tokens",
-        "cached" (vLLM's num_cached_tokens), "logprobs" (the chosen tokens', with `logprobs`)}], "seconds" (the
-        `generate` call)}; with `flush` also "drained_seconds": until the connector's queued saves and SSD
-        writes landed."""
+                 flush: bool = False, timeout: float = 300, salts: Sequence[str | None] | None = None) -> dict:
+        """Greedy generation (ignore_eos) of one batch of token-id prompts (`salts`: each prompt's cache_salt, None
+        for none). Returns {"outputs": [{"tokens", "cached" (vLLM's num_cached_tokens), "logprobs" (the chosen
+        tokens', with `logprobs`)}], "seconds" (the `generate` call)}; with `flush` also "drained_seconds": until
+        the connector's queued saves and SSD writes landed."""
         return self._call({"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens,
-                           "logprobs": logprobs, "flush": flush}, timeout)
+                           "logprobs": logprobs, "flush": flush,
+                           "salts": list(salts) if salts is not None else [None] * len(prompts)}, timeout)
 
     def stats(self, timeout: float = 120) -> dict:
         """The connector's scheduler-side snapshot (when there is a connector), kvtier's metric samples, vLLM's
@@ -253,7 +254,8 @@ def _serve(args_path: str) -> None:
             sp = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True,
                                 logprobs=0 if cmd["logprobs"] else None)
             t0 = time.perf_counter()
-            res = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
+            res = llm.generate([{"prompt_token_ids": p, **({"cache_salt": s} if s else {})}
+                                for p, s in zip(cmd["prompts"], cmd["salts"])], sp, use_tqdm=False)
             out: dict[str, Any] = {"seconds": time.perf_counter() - t0, "outputs": []}
             for r in res:
                 o = r.outputs[0]

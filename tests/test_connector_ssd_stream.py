@@ -102,7 +102,7 @@ def test_a_flipped_byte_ends_the_stream_at_that_chunk(stored):
     s = stored
     tier = s["plugin"].tier
     key = s["chunks"][4][2].to_string()
-    path, base = tier.io.files.locate_path(tier.index.get(key).slot)
+    path, base = tier.io.files.locate_path(tier.entry(key).slot)
     with open(path, "r+b") as f:
         f.seek(base + 4096 + 100)
         b = f.read(1)[0]
@@ -194,7 +194,7 @@ def test_device_reads_verify_every_chunk(device_reads):
     s = device_reads
     tier = s["plugin"].tier
     key = s["chunks"][2][2].to_string()
-    path, base = tier.io.files.locate_path(tier.index.get(key).slot)
+    path, base = tier.io.files.locate_path(tier.entry(key).slot)
     with open(path, "r+b") as f:  # the last byte of the chunk: a check that skips the tail misses it
         f.seek(base + 4096 + s["ssd"].chunk_bytes - 1)
         b = f.read(1)[0]
@@ -227,7 +227,7 @@ def test_prefetch_leaves_ssd_chunks_to_a_device_stream(stored, direct):
 
     s = stored
     done = []
-    storage = WorkerStorage(s["host"], s["ssd"], None, lambda toks: list(s["eng"].token_database.process_tokens(
+    storage = WorkerStorage(s["host"], s["ssd"], None, lambda toks, tag="": list(s["eng"].token_database.process_tokens(
         tokens=torch.tensor(toks))), CHUNK, ConnectorOptions(), lambda **kw: None, lambda: done.append(1),
         direct_ssd=direct)
     try:

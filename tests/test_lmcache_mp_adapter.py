@@ -34,6 +34,7 @@ from kvtier.storage_backends.lmcache.mp_adapter import (
     key_string,
     parse_key_string,
 )
+from kvtier.storage_backends.lmcache.mp_keys import parse_key_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = torch.Size([2, 2, 16, 64])  # K/V x layers x tokens x hidden: a 16 KiB fp32 chunk
@@ -153,11 +154,16 @@ class Recorder(L2AdapterListener):
 def test_key_strings_round_trip_every_field():
     for k in [ObjectKey(b"\x00" * 3 + b"\xff", "meta-llama/Llama-3-8B", ObjectKey.ComputeKVRank(8, 5, 4, 1), 2,
                         "user-7"), ObjectKey(b"\x01", "m", 0), ObjectKey(bytes(32), "a.b_c-d", 7, 0, "")]:
-        assert parse_key_string(key_string(k)) == k
+        assert parse_key_string(key_string(k, "0123abcd")) == k
+        assert parse_key_weights(key_string(k, "0123abcd")) == (k, "0123abcd")
     a, b = keys_for(1, rank=1)[0], keys_for(1, rank=2)[0]
     salted = keys_for(1, salt="x")[0]
-    assert len({key_string(a), key_string(b), key_string(salted), key_string(keys_for(1)[0])}) == 4
-    assert parse_key_string("model@1@0@ab") is None and parse_key_string("mp1@m@zz@0@ab@") is None
+    plain = keys_for(1)[0]
+    # every field that tells KV apart, the weights' fingerprint included, makes another key
+    assert len({key_string(a, "w"), key_string(b, "w"), key_string(salted, "w"), key_string(plain, "w"),
+                key_string(plain, "w2")}) == 5
+    assert parse_key_string("model@1@0@ab") is None and parse_key_string("mp2@w@m@zz@0@ab@") is None
+    assert parse_key_string("mp1@m@1@0@ab@") is None  # kvtier's older keys (no fingerprint): never parsed
 
 
 @pytest.mark.parametrize("params, key", [
@@ -212,7 +218,7 @@ def test_round_trip_bit_exact_listing_and_restart(adapters, l1, tmp_path):
     assert load(a, keys, out) == [True] * 6
     assert all(same(x, y) for x, y in zip(objs, out))
     a.submit_unlock(keys)
-    assert not any(a.tier.is_pinned(key_string(k)) for k in keys)
+    assert not any(a.tier.is_pinned(a.tier_key(k)) for k in keys)
     pages, cursor = [], None
     while True:
         page = a.list_l2_keys(model_name="org/model", page_size=4, cursor=cursor)
@@ -299,7 +305,7 @@ def test_full_tier_evicts_by_its_policy_and_accounts_every_drop(adapters, l1):
     assert lookup(a, keys[:1]) == [True]  # locked by a lookup: never evicted while the lock is held
     for k, o in zip(keys[4:], objs[4:]):
         assert store(a, [k], [o]).is_successful()
-    present = [k for k in keys if a.tier.contains(key_string(k))]
+    present = [k for k in keys if a.tier.contains(a.tier_key(k))]
     assert present == [keys[0]] + keys[7:]  # LRU kept the newest, and the locked chunk
     a.submit_unlock(keys[:1])
     a._deliver_events()
@@ -309,7 +315,7 @@ def test_full_tier_evicts_by_its_policy_and_accounts_every_drop(adapters, l1):
     files = [p for p in os.listdir(a.directory) if p.startswith("slots-")]
     assert sum(os.stat(os.path.join(a.directory, p)).st_blocks * 512 for p in files) <= a.kvtier_config.capacity_bytes
     assert store(a, keys[1:2], objs[1:2]).is_successful()  # unlocked now: keys[0] is the LRU victim
-    assert not a.tier.contains(key_string(keys[0]))
+    assert not a.tier.contains(a.tier_key(keys[0]))
 
 
 def test_delete_notifies_before_returning(adapters, l1):
@@ -388,7 +394,7 @@ def test_two_controller_threads_at_once(adapters, l1):
     assert not errors, errors
     assert verified[0] > 0
     a._deliver_events()
-    assert not any(a.tier.is_pinned(key_string(k)) for k in keys), "a lock was not released"
+    assert not any(a.tier.is_pinned(a.tier_key(k)) for k in keys), "a lock was not released"
     assert len(a.tier) == 24 and a.get_usage().total_bytes_used == 24 * NBYTES
 
 
@@ -453,7 +459,7 @@ def test_a_store_task_commits_its_chunks_together(adapters, l1):
     res = store(a, keys, objs)
     assert res.is_successful() and res.bytes_transferred() == 6 * NBYTES
     assert commits == [6]
-    assert all(a.tier.contains(key_string(k)) for k in keys)
+    assert all(a.tier.contains(a.tier_key(k)) for k in keys)
 
 
 def test_check_config_accepts_lmcaches_own_adapter_shipped_beside_kvtiers(tmp_path):
@@ -467,3 +473,35 @@ def test_check_config_accepts_lmcaches_own_adapter_shipped_beside_kvtiers(tmp_pa
     bad.write_text(json.dumps(dict(json.load(open(shipped)), port=-1)))
     with pytest.raises(ConfigError, match=r"LMCache rejects this --l2-adapter spec: .*port"):
         check(str(bad))
+
+
+def test_salts_keep_tenants_apart_and_new_weights_under_the_same_path_miss(adapters, l1, tmp_path):
+    """LMCache's MP keys carry the request's cache salt: another tenant (or none) never finds a tenant's chunks.
+    They carry no trace of the weights: kvtier's keys add a fingerprint of the model's files, so after new weights
+    are written under the same model path the old chunks are misses, reclaimed first, and no longer listed."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+
+    def weights(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        save_file({"w": torch.randn(64, 64, generator=g)}, str(model / "model.safetensors"))
+        (model / "config.json").write_text('{"hidden_size": 64}')
+
+    weights(0)
+    keys = lambda salt: keys_for(3, model=str(model), salt=salt)  # noqa: E731
+    a = adapters()
+    assert store(a, keys("tenant-A"), l1(3)).is_successful()
+    assert lookup(a, keys("tenant-A")) == [True] * 3
+    assert lookup(a, keys("tenant-B")) == [False] * 3 and lookup(a, keys("")) == [False] * 3
+    a.submit_unlock(keys("tenant-A"))
+    a.close()
+    a = adapters()  # restarted, same weights: found
+    assert lookup(a, keys("tenant-A")) == [True] * 3
+    a.submit_unlock(keys("tenant-A"))
+    a.close()
+    weights(1)
+    a = adapters()
+    assert lookup(a, keys("tenant-A")) == [False] * 3
+    assert a.tier.foreign_chunks() == 3 and a.list_l2_keys().entries == ()

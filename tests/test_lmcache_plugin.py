@@ -94,7 +94,7 @@ def test_corrupt_chunk_is_recomputed_not_returned(engine_from):
     e.store(tokens, kvcaches=kv)
     assert b.flush(30)
     keys = [k.to_string() for _, _, k in e.token_database.process_tokens(tokens=tokens)]
-    entry = b.tier.index.get(keys[2])
+    entry = b.tier.entry(keys[2])
     path, base = b.tier.io.files.locate_path(entry.slot)
     with open(path, "r+b") as f:  # flip one bit of chunk 2's data
         f.seek(base + 4096 + 10)

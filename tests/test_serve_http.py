@@ -13,14 +13,19 @@ over the OpenAI chat API, one request at a time, round robin. The tests check:
   (host, disk and device), both tiers served something, and the worker's `kvtier_ssd_*` series are there;
 - the log shows kvtier's start-up lines (versions, SSD tier, worker, scheduler hook with the JSON's tuned keys), and
   not many;
+- tenants: a prompt sent with one `cache_salt` gets no cached token from kvtier under another salt or none (as
+  on plain vLLM), and its own tenant gets its hits from kvtier again;
 - SIGINT stops the server: exit status 0, no process left, the worker closed kvtier (queued SSD writes
   committed), and a new SSD tier over the directory finds exactly the chunks the worker reported.
+
+Restarts and new weights written in place: tests/test_serve_weights.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import threading
 import time
@@ -48,7 +53,10 @@ KVTIER_LINE = re.compile(r"\] (kvtier|SSD tier at)")
 PORT_LO = int(os.environ.get("KVTIER_TEST_PORT_LO", "18040"))
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_LEN), "--block-size", str(PAGE),
              "--num-gpu-blocks-override", str(GPU_BLOCKS), "--enforce-eager", "--seed", "0",
-             "--shutdown-timeout", "20"]
+             "--shutdown-timeout", "20", "--enable-prompt-tokens-details"]
+#: the tenant probe's prompt: 14 full chunks and a bit (vLLM's cache, 34 blocks of 32, holds one such prompt)
+TENANT_PROMPT = [random.Random(47).randrange(3, 1000) for _ in range(900)]
+TENANT_HIT = len(TENANT_PROMPT) // CHUNK * CHUNK  # 896: what kvtier can serve of it
 
 
 def _metrics_once_all_recorded(srv: ServeProcess) -> dict | None:
@@ -156,8 +164,36 @@ def test_kvtier_startup_lines_in_the_log(served):
     for key in ("ready_order='hrrn'", "starvation_lookahead=True", "mean_window=1024", "starvation_multiple=8",
                 "hrrn_service_exponent=1.5"):  # the shipped JSON's scheduler keys reached vLLM's scheduler
         assert key in hook, hook
+    # the KV identity and its parts: the weights' content (one safetensors file), config, dtypes, layout, ranks
+    assert re.search(r"kvtier: KV identity of rank 0: m[0-9a-f]{20}: weights [0-9a-f]{12} \(1 files, [\d.]+ GiB, "
+                     r"sampled content\), config [0-9a-f]{12}, dtype torch.float32, kv_cache_dtype auto, "
+                     r"quantization none, KV torch.float32, layout page_first/p32 v1, chunk 64 tokens, TP 1 \(rank 0\)",
+                     log), log[-3000:]
     ours = [line for line in log.splitlines() if KVTIER_LINE.search(line)]
-    assert len(ours) <= 7, "\n".join(ours)
+    assert len(ours) <= 8, "\n".join(ours)
+
+
+def _cached(rep: dict) -> int:
+    return int((rep["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_a_tenants_kv_never_reaches_another_tenant(served):
+    """Tenant A's prompt, then the same tokens from tenant B and without a salt, then A again, on both servers: B
+    and the unsalted request get no cached token on either server (vLLM keys its cache on the salt, and so must
+    kvtier's tiers), A gets its prompt back from kvtier's tiers (vLLM's own cache lost it to B's blocks)."""
+    got: dict[str, dict[str, dict]] = {}
+    for name in ("base", "kvtier"):
+        srv = served["servers"][name]
+        got[name] = {"A": srv.complete(TENANT_PROMPT, cache_salt="tenant-A"),
+                     "B": srv.complete(TENANT_PROMPT, cache_salt="tenant-B"),
+                     "none": srv.complete(TENANT_PROMPT),
+                     "A again": srv.complete(TENANT_PROMPT, cache_salt="tenant-A")}
+    text = {n: {k: r["choices"][0]["text"] for k, r in g.items()} for n, g in got.items()}
+    assert text["kvtier"] == text["base"]
+    cached = {n: {k: _cached(r) for k, r in g.items()} for n, g in got.items()}
+    assert cached["base"]["B"] == cached["base"]["none"] == 0, cached
+    assert cached["kvtier"]["B"] == cached["kvtier"]["none"] == 0, cached
+    assert cached["kvtier"]["A again"] >= TENANT_HIT > cached["base"]["A again"], cached
 
 
 def test_clean_shutdown_keeps_the_ssd_tier(served):
@@ -184,3 +220,4 @@ def test_clean_shutdown_keeps_the_ssd_tier(served):
         assert len(tier) >= served["metrics"][("kvtier_ssd_puts_total", ())]
     finally:
         tier.close()
+

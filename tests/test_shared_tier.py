@@ -111,6 +111,58 @@ def test_chunks_written_by_one_engine_are_read_bit_exact_by_another(redis_server
         sb.close()
 
 
+def test_sealed_chunks_travel_as_envelopes_and_open_only_with_the_secret(redis_server, engines, tmp_path):
+    """`kvtier.encryption_key_file`: the store holds envelopes (no chunk byte in the clear), another engine with
+    the same secret reads the chunks bit-exact, an engine with another secret or none finds none of them, and an
+    envelope copied under another chunk's key fails to open (a counted miss)."""
+    import os
+
+    from kvtier.identity.request import tenant_of_key
+    from kvtier.storage_backends.ssd.sealing import ChunkSealer
+
+    def sealer(name: str) -> ChunkSealer:
+        p = tmp_path / name
+        if not p.exists():
+            p.write_bytes(os.urandom(32))
+        return ChunkSealer(p.read_bytes(), tenant_of_key)
+
+    a, b, c, d = engines(), engines(), engines(), engines()
+    tag = "pf16.c16"
+    sa, sb = (attach_shared_tier(e, lambda m: True, tag, SharedTierOptions(timeout_s=1.0), sealer("one"))
+              for e in (a, b))
+    sc = attach_shared_tier(c, lambda m: True, tag, SharedTierOptions(timeout_s=1.0), sealer("two"))
+    sd = shared(d, tag=tag)
+    try:
+        tokens = torch.arange(64)
+        kv = kv_for(64, seed=4)
+        a.store(tokens, kvcaches=kv)
+        keys = keys_of(a, tokens)
+        assert sa.submit_writes(keys) == 4 and sa.flush(10) and sa.stats.writes == 4
+        host = a.storage_manager.storage_backends["LocalCPUBackend"]
+        plain = []
+        for k in keys:
+            o = host.get_blocking(k)
+            plain.append(bytes(memoryview(o.byte_array).cast("B")))
+            o.ref_count_down()
+        stored = [redis_server.client().get(k) for k in redis_server.client().keys("*kv_bytes")]
+        assert len(stored) == 4 and all(v.startswith(b"KVTSEAL1") for v in stored)
+        assert not any(p[1000:1064] in v for p in plain for v in stored)
+        objs = sb.read(keys)
+        assert all(o is not None for o in objs)
+        for p, o in zip(plain, objs):
+            assert bytes(memoryview(o.byte_array).cast("B"))[:len(p)] == p
+            o.ref_count_down()
+        assert sc.prefix_contains(keys_of(c, tokens)) == 0 and sd.prefix_contains(keys_of(d, tokens)) == 0
+        # chunk 1's envelope put under chunk 0's key: authenticated with its own key, it does not open
+        r = redis_server.client()
+        k0, k1 = (sb.remote_key(k).to_string() for k in keys[:2])
+        r.set(k0 + "kv_bytes", r.get(k1 + "kv_bytes"))
+        assert sb.read(keys[:1]) == [None] and sb.stats.bad_chunks == 1
+    finally:
+        for s in (sa, sb, sc, sd):
+            s.close()
+
+
 def test_other_model_or_layout_never_reads_the_chunks(redis_server, engines):
     a = engines()
     sa = shared(a, tag="pf16.c16")

@@ -10,6 +10,8 @@ one step at a time over a pipe, so the test decides what runs where and when the
   one GET (local first);
 - Redis killed: conversation 1's turn 2 on B completes with identical tokens (recomputed), the outage is counted;
 - Redis restarted (empty): A's new conversation 3 is written again and B's turn 2 of it hits the store again;
+- tenants: a prompt engine A ran for tenant A is found in the store by engine B for tenant A only: B's requests
+  of the same tokens for tenant B or without a salt get no external token;
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ class Engine(EngineProcess):
             "max_model_len": 1024, "max_num_seqs": 4, "disable_log_stats": False,
             "kv_transfer_config": kv_transfer_config})
 
-    def run(self, prompts: list[list[int]], max_tokens: int = 16) -> dict:
+    def run(self, prompts: list[list[int]], max_tokens: int = 16, salts: list[str | None] | None = None) -> dict:
         """The outputs' token ids, with the connector's snapshot and metrics after the batch. The batch's saves
         and its writes to the store (or their drops) are over when it returns (`generate(flush=True)`)."""
-        res = self.generate(prompts, max_tokens, logprobs=True, flush=True)
+        res = self.generate(prompts, max_tokens, logprobs=True, flush=True, salts=salts)
         return {"outputs": [o["tokens"] for o in res["outputs"]], **self.stats()}
 
 
@@ -155,3 +157,22 @@ def test_turns_across_engines_share_kv_through_redis(cluster):
     assert got_b4["admitted"][-1][1:] == [64, 0, 64], got_b4["admitted"]
     assert got_b4["storage"]["shared"]["up"] and got_b4["storage"]["shared"]["health"]["recoveries"] == 1
     assert _remote_hits(got_b4) == 128
+
+
+def test_tenants_never_share_through_the_store(cluster):
+    """After the store came back (the test above): tenant A's prompt on engine A goes to Redis; on engine B the same
+    tokens for tenant B and without a salt load nothing (vLLM keys its cache on the salt, and so do kvtier's host,
+    SSD and shared tiers), and B for tenant A loads A's chunks from the store."""
+    a, b, ref = cluster["a"], cluster["b"], cluster["ref"]
+    prompt = [random.Random(23).randrange(1, 1000) for _ in range(100)]  # three full chunks (96 tokens)
+    got_a = a.run([prompt], salts=["tenant-A"])
+    assert got_a["outputs"] == ref.run([prompt], salts=["tenant-A"])["outputs"]
+    for salt in ("tenant-B", None):
+        got = b.run([prompt], salts=[salt])
+        assert got["outputs"] == got_a["outputs"]
+        assert got["admitted"][-1][1] == 0, (salt, got["admitted"])
+    remote = _remote_hits(b.stats())
+    got = b.run([prompt], salts=["tenant-A"])
+    assert got["outputs"] == got_a["outputs"]
+    assert got["admitted"][-1][1:] == [96, 0, 96], got["admitted"]
+    assert _remote_hits(got) == remote + 96

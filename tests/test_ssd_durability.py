@@ -79,7 +79,7 @@ def test_a_chunk_is_reported_stored_only_after_data_header_sync_commit_fsync(tie
         assert t.submit_put("k", ssd.meta(CHUNK), memoryview(ssd.payload(1, CHUNK)),
                             lambda ok: (done.append(ok), spy.mark("done")))
         assert t.flush(30) and done == [True]
-        e = t.index.get("k")
+        e = t.entry("k")
         slot_path, base = t.io.files.locate_path(e.slot)
         jpath = t.io.journal.path
         data = spy.index(lambda ev: ev[0] == "pwrite" and ev[1] == slot_path and ev[2] >= base + HEADER_SIZE)

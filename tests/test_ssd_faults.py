@@ -94,7 +94,7 @@ def test_a_key_committed_twice_frees_the_older_slot(tier_config, ssd):
         r1, r2 = t.index.reserve(), t.index.reserve()
         t.index.commit("k", r1, m, t.seg)
         t.index.commit("k", r2, m, t.seg)
-        assert t.index.get("k").slot == r2.slot and len(t) == 1
+        assert t.entry("k").slot == r2.slot and len(t) == 1
         t.index.check_invariants()
         assert ssd.fill_fresh(t, "fresh", 3) == 3
     finally:
@@ -269,7 +269,7 @@ def test_full_disk_never_raises_from_remove_or_get(tier_config, ssd, monkeypatch
     try:
         for k in "abc":
             assert ssd.put(t, k, ssd.payload(ord(k), CHUNK))
-        path, base = t.io.files.locate_path(t.index.get("c").slot)
+        path, base = t.io.files.locate_path(t.entry("c").slot)
         with open(path, "r+b") as f:  # corrupt c's data
             f.seek(base + HEADER_SIZE + 10)
             f.write(b"\xff\xff")
@@ -450,7 +450,7 @@ def test_slot_holding_another_key_with_the_same_generation_is_a_miss(tier_config
     try:
         data = ssd.payload(5, CHUNK)
         assert ssd.put(t, "a", data)
-        e = t.index.get("a")
+        e = t.entry("a")
         hdr = bytearray(HEADER_SIZE)
         from kvtier.storage_backends.ssd.slot_format import FORMAT_VERSION, checksum
 

@@ -53,7 +53,7 @@ def test_corruption_fuzz(tmp_path, ssd):
         key = f"k{i}"
         expected[key] = known[key] = ssd.payload(i, CHUNK)
         assert ssd.put(t, key, expected[key])
-    slot_of = {k: t.index.get(k).slot for k in expected}
+    slot_of = {k: t.entry(k).slot for k in expected}
     slot_size, jname = t.slot_size, os.path.basename(t.io.journal.path)
     sfile = os.path.basename(t.io.files.path(0))
     t.close()

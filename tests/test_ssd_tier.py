@@ -87,7 +87,7 @@ def test_second_process_on_same_directory_is_refused(tier, tier_config):
 
 
 def _slot_data_offset(tier: SSDTier, key: str) -> tuple[str, int]:
-    e = tier.index.get(key)
+    e = tier.entry(key)
     path, base = tier.io.files.locate_path(e.slot)
     return path, base
 
@@ -139,7 +139,7 @@ def test_truncated_slot_is_a_miss(tier):
 
 def test_slot_holding_another_key_is_a_miss(tier):
     assert put(tier, "a", payload(1)) and put(tier, "b", payload(2))
-    ea, eb = tier.index.get("a"), tier.index.get("b")
+    ea, eb = tier.entry("a"), tier.entry("b")
     ea.slot, eb.slot = eb.slot, ea.slot  # index points each key at the other's slot
     assert get(tier, "a") is None and get(tier, "b") is None
     assert tier.stats.corrupt == 2
@@ -313,7 +313,7 @@ def test_restart_drops_chunks_whose_slots_a_cut_file_no_longer_holds(tier_config
     data = {f"k{i}": payload(i) for i in range(8)}
     for k, v in data.items():
         assert put(t, k, v)
-    slots = {k: t.index.get(k).slot for k in data}
+    slots = {k: t.entry(k).slot for k in data}
     path = t.io.files.path(0)
     t.close()
     os.truncate(path, 3 * t.slot_size)
@@ -348,7 +348,7 @@ def test_rebuild_of_many_slots(tier_config):
     j.close()
     t2 = SSDTier(cfg, 4096)
     try:
-        assert len(t2) == 20_000 and t2.index.get("key19999").slot == 19_999
+        assert len(t2) == 20_000 and t2.entry("key19999").slot == 19_999
         t2.index.check_invariants()
     finally:
         t2.close()

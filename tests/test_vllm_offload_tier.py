@@ -143,6 +143,60 @@ def test_another_layout_never_reads_the_chunks(vt, tmp_path):
     assert len(dirs) == 3 and all(d.startswith("org_model-") for d in dirs), dirs
 
 
+def _vllm_block_keys(tokens: list[int], block: int, salt: str | None) -> list:
+    """vLLM's own keys of a request's blocks (chained block hashes with vLLM's extra keys: here the cache salt)."""
+    from types import SimpleNamespace
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens, init_none_hash
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    fn = get_hash_fn_by_name("sha256")
+    init_none_hash(fn)
+    req = SimpleNamespace(cache_salt=salt, lora_request=None, mm_features=[], prompt_embeds=None,
+                          _prompt_embeds_per_block_hashes={})
+    keys, parent = [], None
+    for start in range(0, len(tokens) // block * block, block):
+        extra, _ = generate_block_hash_extra_keys(req, start, start + block, 0)
+        parent = hash_block_tokens(fn, parent, tokens[start:start + block], extra)
+        keys.append(make_offload_key(parent, 0))
+    return keys
+
+
+def test_salted_requests_and_new_weights_never_share_chunks(vt, tmp_path):
+    """vLLM's block hashes carry the cache salt: a tenant's chunks stored through vLLM's tiering manager are found
+    for that tenant only. kvtier binds the model's weights into its keys: new weights written under the same model
+    path find none of the old chunks (reclaimed first), the same weights after a restart find all of them."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+
+    def weights(seed: int) -> None:
+        save_file({"w": torch.randn(32, 32, generator=torch.Generator().manual_seed(seed))},
+                  str(model / "model.safetensors"))
+        (model / "config.json").write_text('{"hidden_size": 32}')
+
+    weights(0)
+    tokens = list(range(100, 164))
+    a, b, plain = (_vllm_block_keys(tokens, 16, s) for s in ("tenant-A", "tenant-B", None))
+    assert not set(a) & set(b) and not set(a) & set(plain)
+    data = chunks_of(3, len(a), vt.BLOCK_BYTES)
+    cfg = vt.kvtier_tier(tmp_path / "ssd", 0.01)
+    with vt.TieringHarness([cfg], model=str(model)) as h:
+        assert h.store(a, data) == a
+        h.settle()
+        assert h.load(b) == [None] * 4 and h.load(plain) == [None] * 4
+    with vt.TieringHarness([cfg], model=str(model)) as h:  # restarted: tenant A's chunks are there, B's are not
+        assert h.load(b) == [None] * 4
+        assert all(np.array_equal(g, d) for g, d in zip(h.load(a), data))
+    weights(1)
+    with vt.TieringHarness([cfg], model=str(model)) as h:
+        tier = h.tiers[0].tier
+        assert tier.foreign_chunks() == 4 and tier.keys() == [] and h.load(a) == [None] * 4
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"ssd_capcity_gb": 1}, "ssd_capcity_gb"),
     ({"ssd_capacity_gb": "lots"}, "ssd_capacity_gb"),

@@ -6,6 +6,10 @@ LMCache contracts honoured here (see LMCache 0.5.6 `StoragePluginInterface` and 
 - Sync gets allocate from `local_cpu_backend` (LMCache promotes a complete result into its host tier without a
   copy). Async gets (`enable_async_loading`) return the hit prefix and release this plugin's lookup pins.
 - The plugin owns its capacity (LMCache never asks it to evict).
+- Chunks are stored under the engine's KV identity (`kv_identity.plugin_fingerprint`: the weights' content, the
+  config, KV dtype, layout, parallelism, chunk size): after any change the old chunks are misses, reclaimed first.
+  LMCache 0.5.x's own in-process keys do not carry a request's cache salt or LoRA adapter: outside kvtier's
+  connector (which adds them) the plugin says so at start.
 - LMCache asks its remote backends (`remote_url`, `remote_storage_plugins`) before storage plugins; the plugin moves
   itself ahead of them once its engine is built (`shared.tier.LocalFirstOrder`), so the SSD tier is read before the
   network.
@@ -27,6 +31,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from kvtier.compat import guard
 from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
 from kvtier.storage_backends.lmcache.host_pool import HostPoolWatch
+from kvtier.storage_backends.lmcache.kv_identity import plugin_fingerprint, under_kvtier_connector
 from kvtier.storage_backends.shared.config import remote_configured
 from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
 
@@ -110,13 +115,27 @@ class KVTierBackend(StoragePluginInterface):
             raise ConfigError("kvtier needs LMCache metadata with kv_shape to size its slots")
         #: failed host-pool allocations are counted and logged once per episode (LMCache only logs attempts)
         self.pool_watch = HostPoolWatch(local_cpu_backend, getattr(config, "max_local_cpu_size", None))
+        #: what computed this engine's KV: the namespace of every chunk the tier stores for it
+        self.fingerprint = plugin_fingerprint(metadata, self.kvtier_config)
+        if not under_kvtier_connector(metadata):
+            logger.warning("kvtier: LMCache's in-process engine (%s) keys chunks by their tokens (and multimodal "
+                           "hashes) only: a request's cache_salt and LoRA adapter are not part of LMCache 0.5.x's "
+                           "keys, so chunks kvtier stores here are shared between tenants (and adapters) that send "
+                           "the same tokens. Where tenants must be isolated, use kvtier's connector "
+                           "(KVTierConnector) or LMCache's multiprocess mode (its keys carry the salt); see "
+                           "docs/design/identity.md", metadata.model_name)
+        # (inside kvtier's connector, the connector logs the engine's fingerprint)
+        logger.log(logging.DEBUG if under_kvtier_connector(metadata) else logging.INFO,
+                   "kvtier: KV identity of worker %d: %s", metadata.worker_id, self.fingerprint.describe())
         self.tier = SSDTier(
             self.kvtier_config,
             chunk_bytes_of(metadata),
             layout_ok=expected_layout(metadata, self.kvtier_config.chunk_format, self.kvtier_config.page_tokens),
             subdir=f"worker{metadata.worker_id}-of-{metadata.world_size}",
             max_inflight_bytes=_inflight_cap(config),
+            namespace=self.fingerprint.namespace,
         )
+        # (under kvtier's connector the namespace is the connector's own fingerprint: one name in every log line)
         _end_writes_before_pool_closes(local_cpu_backend, self.tier)
         if remote_configured(config):
             from kvtier.storage_backends.shared.tier import LocalFirstOrder  # its metrics only where a store is

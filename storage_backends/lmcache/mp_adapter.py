@@ -12,8 +12,10 @@ convention): an unknown or wrong key stops the server at start with a message na
 
 A thin layer over `SSDTier` (slot files, CRCs, journal, restart recovery, capacity bound and eviction policy,
 O_DIRECT/kvikio, back-pressure). What it adds is LMCache's contract (`L2AdapterInterface`):
-- keys: `ObjectKey` -> a reversible string with every field that tells KV apart (model, kv_rank, which packs world
-  size and rank, object group, chunk hash, cache salt); the chunk's layout (shapes, dtypes, format, size) travels
+- keys: `ObjectKey` -> a reversible string with every field that tells KV apart (the fingerprint of the model's
+  weights and config, model, kv_rank, which packs world size and rank, object group, chunk hash, cache salt:
+  `mp_keys`); chunks of a model's other fingerprints (weights changed in place) or of kvtier's older key format are
+  never found and are reclaimed first (`SSDTier.demote`); the chunk's layout (shapes, dtypes, format, size) travels
   in the slot header and is compared with each load's destination: a chunk of another layout is a miss (a 0 bit),
   never bytes in the wrong buffer.
 - tasks: stores are queued to one dispatcher thread, which hands each task's chunks to the tier in one call (its
@@ -70,10 +72,12 @@ from kvtier.storage_backends.lmcache.mp_config import (
 )
 from kvtier.storage_backends.lmcache.mp_keys import (
     Layout,
+    ModelWeights,
     desc_bytes,
     key_string,
     meta_ok,
     parse_key_string,
+    parse_key_weights,
 )
 from kvtier.storage_backends.ssd.directory import (
     read_small_file,
@@ -137,6 +141,8 @@ class KVTierL2Adapter(L2AdapterInterface):
         self._notify_lock = threading.Lock()  # keeps stored/deleted notifications in order
         self._warned_too_large = False
         self._closed = False
+        #: model name -> fingerprint of its weights (part of every key)
+        self._weights = ModelWeights(on_new=self._reclaim_stale)
         self._store_fd = create_event_notifier()
         self._lookup_fd = create_event_notifier()
         self._load_fd = create_event_notifier()
@@ -161,6 +167,39 @@ class KVTierL2Adapter(L2AdapterInterface):
     @property
     def tier(self) -> SSDTier | None:
         return self._tier
+
+    def tier_key(self, key: ObjectKey) -> str:
+        """The tier key of an object (with the fingerprint of its model's weights)."""
+        return key_string(key, self._weights(key.model_name))
+
+    def _reclaim_stale(self, model: str, weights: str) -> None:
+        """`model`'s fingerprint is known: its chunks of other fingerprints (weights changed in place) are never
+        found again; they stop counting for LMCache and are reclaimed first."""
+        tier = self._tier
+        if tier is None:
+            return
+        stale = []
+        for s in tier.keys():
+            parsed = parse_key_weights(s)
+            if parsed is not None and parsed[0].model_name == model and parsed[1] != weights:
+                stale.append((s, parsed[0]))
+        self._demote(tier, stale, f"of model {model} with other weights or config than now (fingerprint {weights})")
+
+    def _demote(self, tier: SSDTier, stale: list[tuple[str, ObjectKey | None]], what: str) -> None:
+        if not stale:
+            return
+        gone: list[tuple[ObjectKey, int]] = []
+        with self._lock:
+            for s, k in stale:
+                size = self._sizes.pop(s, None)
+                if k is not None and size is not None:
+                    gone.append((k, size))
+        n = tier.demote([s for s, _ in stale])
+        logger.warning("kvtier L2 adapter: %d chunk(s) %s are never served; they are reclaimed first", n, what)
+        if gone:
+            with self._events_cond:
+                self._events.deleted.extend(gone)
+                self._events_cond.notify()
 
     def _saved_chunk_bytes(self) -> int | None:
         path = os.path.join(self.directory, LAYOUT_FILE)
@@ -195,6 +234,7 @@ class KVTierL2Adapter(L2AdapterInterface):
             if read_small_file(path) is None:
                 write_small_file(path, json.dumps({"chunk_bytes": chunk_bytes}).encode())
             recovered: list[tuple[ObjectKey, int]] = []
+            old_format: list[tuple[str, ObjectKey | None]] = []
             present = tier.keys()
             with self._lock:
                 for s in present:  # a previous run's chunks count at the recorded chunk size
@@ -202,8 +242,11 @@ class KVTierL2Adapter(L2AdapterInterface):
                     if k is not None:
                         recovered.append((k, chunk_bytes))
                         self._sizes[s] = chunk_bytes
+                    else:
+                        old_format.append((s, None))
             tier.add_drop_listener(self._on_drop)
             self._tier = tier
+            self._demote(tier, old_format, "in an older key format (without the weights' fingerprint)")
         if recovered:
             keys, sizes = zip(*recovered)
             self._notify_keys_stored(list(keys), list(sizes))
@@ -275,7 +318,7 @@ class KVTierL2Adapter(L2AdapterInterface):
         tier = self._tier_for(max(lay.nbytes for lay in layouts))
         puts = []  # one submit for the whole task: the tier's writers take its chunks together (one sync)
         for key, obj, lay in zip(keys, objects, layouts):
-            s = key_string(key)
+            s = self.tier_key(key)
             if tier is None or not lay.consistent():
                 if tier is not None:
                     logger.error("object for %s has an inconsistent layout %s; not stored", s, lay)
@@ -343,7 +386,7 @@ class KVTierL2Adapter(L2AdapterInterface):
             sizes = [desc_bytes(d) for d in (group_layout_descs or {}).values() if d.shapes]
             tier = self._tier_for(max(sizes, default=0))
             if tier is not None and keys:
-                strs = [key_string(k) for k in keys]
+                strs = [self.tier_key(k) for k in keys]
                 first = keys[0]
                 chain = [s for k, s in zip(keys, strs)
                          if (k.model_name, k.kv_rank, k.object_group_id) ==
@@ -374,7 +417,7 @@ class KVTierL2Adapter(L2AdapterInterface):
             return
         for k in keys:
             try:
-                tier.unpin(key_string(k))
+                tier.unpin(self.tier_key(k))
             except Exception:  # must not fail; an unreleased pin expires after pin_timeout_s
                 logger.exception("kvtier L2 unlock of %s failed; its pin expires by itself", k)
 
@@ -397,7 +440,7 @@ class KVTierL2Adapter(L2AdapterInterface):
         try:
             tier = self._tier
             if tier is not None and len(keys) == len(objects):
-                strs = [key_string(k) for k in keys]
+                strs = [self.tier_key(k) for k in keys]
                 slots: dict[str, collections.deque[int]] = {}
                 for i, s in enumerate(strs):
                     slots.setdefault(s, collections.deque()).append(i)
@@ -449,7 +492,7 @@ class KVTierL2Adapter(L2AdapterInterface):
         if tier is None:
             return
         for k in keys:
-            tier.remove(key_string(k))
+            tier.remove(self.tier_key(k))
         self._deliver_events()  # listeners hear of the deletion before this returns
 
     def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,

@@ -1,38 +1,91 @@
-"""Keys and layouts of LMCache multiprocess-mode objects in kvtier's SSD tier: an `ObjectKey` as a reversible
-string (`key_string` / `parse_key_string`), and the `Layout` a stored chunk and its destination buffer must share."""
+"""Keys and layouts of LMCache multiprocess-mode objects in kvtier's SSD tier: an `ObjectKey` with the fingerprint
+of its model's weights as a reversible string (`key_string` / `parse_key_string`), the fingerprints themselves
+(`ModelWeights`), and the `Layout` a stored chunk and its destination buffer must share.
+
+LMCache's MP keys carry the model's name (vLLM's model path or id), the KV rank, the object group, the chunk hash
+and the request's cache salt, but nothing of the weights: a model updated in place keeps its name. The adapter adds
+a fingerprint of the weights' content and config (`kvtier.identity.model`), computed once per model name on the
+server (which runs beside vLLM and reads the same model files): chunks of the old weights are never found.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
+from kvtier.identity.model import config_digest, read_config, weights_identity
+from kvtier.identity.request import digest
 from kvtier.storage_backends.ssd.tier import ChunkMeta
 
-_KEY_TAG = "mp1"
+logger = logging.getLogger(__name__)
+
+_KEY_TAG = "mp2"
+#: LMCache's MP connector appends a layout namespace to the model name under decode context parallelism
+_DCP_MARK = "##"
 _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
                                torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
-def key_string(key: ObjectKey) -> str:
-    """The tier's key for an LMCache MP object: `mp1@model@kv_rank@group@chunk_hash@salt` (hex numbers). LMCache
-    forbids `@` in model names and salts, so the string splits back unambiguously (`parse_key_string`)."""
-    return (f"{_KEY_TAG}@{key.model_name}@{key.kv_rank:x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
+def key_string(key: ObjectKey, weights: str) -> str:
+    """The tier's key for an LMCache MP object of a model whose weights have fingerprint `weights`:
+    `mp2@weights@model@kv_rank@group@chunk_hash@salt` (hex numbers). LMCache forbids `@` in model names and salts,
+    so the string splits back unambiguously (`parse_key_string`)."""
+    return (f"{_KEY_TAG}@{weights}@{key.model_name}@{key.kv_rank:x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
             f"@{key.cache_salt}")
 
 
 def parse_key_string(s: str) -> ObjectKey | None:
+    parsed = parse_key_weights(s)
+    return parsed[0] if parsed is not None else None
+
+
+def parse_key_weights(s: str) -> tuple[ObjectKey, str] | None:
+    """The object key and the weights' fingerprint of a tier key (None: not such a key, e.g. written by kvtier
+    before keys carried the fingerprint)."""
     parts = s.split("@")
-    if len(parts) != 6 or parts[0] != _KEY_TAG:
+    if len(parts) != 7 or parts[0] != _KEY_TAG or not parts[1]:
         return None
-    _, model, rank, group, chunk, salt = parts
+    _, weights, model, rank, group, chunk, salt = parts
     try:
         return ObjectKey(chunk_hash=bytes.fromhex(chunk), model_name=model, kv_rank=int(rank, 16),
-                         object_group_id=int(group, 16), cache_salt=salt)
+                         object_group_id=int(group, 16), cache_salt=salt), weights
     except ValueError:
         return None
+
+
+class ModelWeights:
+    """Model name -> the fingerprint of its weights' content and config (16 hex digits), computed on first use
+    (a few MB read) and kept; `on_new(model, fingerprint)` runs once per model after it is computed (the adapter
+    reclaims that model's chunks of other fingerprints first)."""
+
+    def __init__(self, on_new: Callable[[str, str], None] | None = None) -> None:
+        self._known: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._on_new = on_new
+
+    def __call__(self, model_name: str) -> str:
+        fp = self._known.get(model_name)
+        if fp is not None:
+            return fp
+        with self._lock:
+            fp = self._known.get(model_name)
+            if fp is not None:
+                return fp
+            base = model_name.split(_DCP_MARK, 1)[0]
+            weights = weights_identity(base)
+            fp = digest([weights.source, weights.digest, config_digest(read_config(base))])[:16]
+            logger.info("kvtier L2 adapter: model %s has KV fingerprint %s (weights %s)", model_name, fp,
+                        weights.describe())
+            self._known[model_name] = fp
+        if self._on_new is not None:
+            self._on_new(model_name, fp)
+        return fp
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,11 @@ say how kvtier uses it:
       kvtier.shared:
         writes: all              # all | continuing | none
         on_unavailable: fail     # fail | degrade
-        model_id: ""             # the model's name in shared keys (default: vLLM's model name or path)
+
+Shared keys name the engine's KV identity (`kvtier.identity`: a fingerprint of the weights' content, config,
+dtype, layout, chunk size and parallelism), not the model's path: replicas of the same build share chunks wherever
+their files lie, and no replica reads another build's. `kvtier.model_identity` (an SSD-tier key) declares builds
+compatible; the former `kvtier.shared.model_id` is refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ class SharedTierOptions:
     #: the store does not answer at start: `fail` stops the engine (ConfigError naming the URL), `degrade` starts
     #: with the local tiers only (logged) and uses the store once it answers
     on_unavailable: str = "fail"
-    #: the model's name in shared keys; set the same name on every replica when their model paths differ
-    model_id: str = ""
     #: limit of one store operation (lookup, read, write batch), seconds; then the store counts as down
     timeout_s: float = 2.0
     #: while the store is down, one probe every this many seconds
@@ -54,6 +56,11 @@ class SharedTierOptions:
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where} must be a mapping of options (e.g. {{writes: all}}), got {raw!r}")
         known = [f.name for f in fields(cls)]
+        if "model_id" in raw:
+            raise ConfigError(f"{where}.model_id is gone: shared keys now carry a fingerprint of the weights' content "
+                              "(replicas of the same build share chunks wherever their model files lie); to declare "
+                              "two builds' KV compatible, set kvtier.model_identity on both instead "
+                              "(docs/design/identity.md)")
         unknown = sorted(set(raw) - set(known))
         if unknown:
             import difflib
@@ -67,8 +74,6 @@ class SharedTierOptions:
             raise ConfigError(f"{where}.writes must be one of {', '.join(WRITE_POLICIES)}, got {out.writes!r}")
         if out.on_unavailable not in ("fail", "degrade"):
             raise ConfigError(f"{where}.on_unavailable must be fail or degrade, got {out.on_unavailable!r}")
-        if not isinstance(out.model_id, str):
-            raise ConfigError(f"{where}.model_id must be a string, got {out.model_id!r}")
         for name in ("timeout_s", "retry_s"):
             v = getattr(out, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:

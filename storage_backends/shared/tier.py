@@ -10,8 +10,10 @@ does not build (vLLM's `LMCacheConnectorV1`), kvtier's storage plugin moves itse
 (`LocalFirstOrder`, the rule of `arrange_local_first`), so that LMCache's own walk reads host, SSD, then the store.
 
 What this layer adds to LMCache's remote backend:
-- **Keys** carry the model, the world size and rank (LMCache's key) and kvtier's chunk layout (`key_tag`: page
-  size, chunk size, KV geometry), so engines of another model or layout never read each other's chunks. Every
+- **Keys** carry the engine's KV fingerprint (the weights' content, config, dtypes, chunk size: the connector's
+  LMCache model name), the world size and rank, the request's identity tag (LMCache's key and its tags) and
+  kvtier's chunk layout (`key_tag`: page size, chunk size, KV geometry), so engines of another build, tenants of
+  another salt and engines of another layout never read each other's chunks. Every
   chunk read is also checked against this engine's layout (`layout_ok`) before it reaches the host tier.
 - **Faults**: every operation has a time limit (an error other than a timeout is retried once: the client
   replaces a pooled connection broken by a store restart); a store that fails is marked down (`StoreHealth`:
@@ -21,6 +23,8 @@ What this layer adds to LMCache's remote backend:
   queues it (bounded by `max_queued_write_mb`, beyond which writes are dropped and counted); a writer thread sends
   them. Which chunks are written is the connector's policy (`kvtier.shared.writes`).
 - **Counters and metrics** (`kvtier_shared_*`).
+- **Encryption** (`kvtier.encryption_key_file`): chunks go to the store sealed, as envelopes (`shared/sealed.py`),
+  under keys that name the secret's id (a replica without it, or with another, finds none of them).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.shared import metrics as M
 from kvtier.storage_backends.shared.config import SharedTierOptions
 from kvtier.storage_backends.shared.health import StoreHealth
+from kvtier.storage_backends.shared.sealed import open_envelope, seal_envelope
+from kvtier.storage_backends.ssd.sealing import ChunkSealer
 from kvtier.storage_backends.ssd.tier import ChunkMeta
 
 logger = logging.getLogger(__name__)
@@ -230,7 +236,7 @@ def _unwrap(conn: Any) -> Any:
 
 
 def attach_shared_tier(engine: Any, layout_ok: Callable[[ChunkMeta], bool], key_tag: str,
-                       options: SharedTierOptions, model_id: str = "") -> SharedTier | None:
+                       options: SharedTierOptions, sealer: ChunkSealer | None = None) -> SharedTier | None:
     """The engine's remote backend as kvtier's shared tier, or None when the LMCache config names no store.
 
     The remote backend leaves LMCache's own walk (kvtier routes host, SSD, then the store itself) and the store is
@@ -256,7 +262,7 @@ def attach_shared_tier(engine: Any, layout_ok: Callable[[ChunkMeta], bool], key_
         with sm.manager_lock:
             sm.storage_backends.pop(name, None)
 
-    tier = SharedTier(remote, host, layout_ok, key_tag, options, model_id=model_id, detach=detach)
+    tier = SharedTier(remote, host, layout_ok, key_tag, options, detach=detach, sealer=sealer)
     tier.start()
     return tier
 
@@ -314,15 +320,15 @@ class SharedTier:
     """One engine rank's view of the shared store (see the module docstring)."""
 
     def __init__(self, remote: Any, host: Any, layout_ok: Callable[[ChunkMeta], bool], key_tag: str,
-                 options: SharedTierOptions, *, name: str | None = None, model_id: str = "",
-                 detach: Callable[[], None] | None = None) -> None:
+                 options: SharedTierOptions, *, name: str | None = None,
+                 detach: Callable[[], None] | None = None, sealer: ChunkSealer | None = None) -> None:
         self.remote = remote
         self._detach = detach
         self.host = host
         self.layout_ok = layout_ok
         self.key_tag = key_tag
         self.options = options
-        self.model_id = model_id
+        self.sealer = sealer  #: chunks go to the store sealed (None: as they are)
         self.name = name or str(getattr(remote, "remote_url", "the shared store"))
         self.stats = SharedStats()
         self.health = StoreHealth(self.name, options.retry_s, on_change=lambda up: M.UP.set(1 if up else 0))
@@ -367,11 +373,13 @@ class SharedTier:
 
     # ------------------------------------------------------------------ keys
     def _remote_model(self, model_name: str) -> str:
-        return f"kvtier1|{self.model_id or model_name}|{self.key_tag}"
+        sealed = f"|s{self.sealer.key_id}" if self.sealer is not None else ""
+        return f"kvtier2|{model_name}|{self.key_tag}{sealed}"
 
     def remote_key(self, key: Any) -> Any:
-        """The key of an LMCache chunk key in the shared store (model, world size, rank, hash, dtype of LMCache's
-        key, plus kvtier's layout tag)."""
+        """The key of an LMCache chunk key in the shared store (model, world size, rank, hash, dtype and tags of
+        LMCache's key, plus kvtier's layout tag). In kvtier's connector the model is the engine's KV fingerprint and
+        the tags carry the request's identity (`kvtier.identity`)."""
         return dataclasses.replace(key, model_name=self._remote_model(key.model_name))
 
     def _probe_key(self) -> Any:
@@ -482,6 +490,13 @@ class SharedTier:
                     self.stats.bad_chunks += 1
                     M.MISSES.labels("bad").inc()
                 obj = None
+            if obj is not None and self.sealer is not None:
+                opened = open_envelope(self.sealer, rkeys[len(out)].to_string(), obj, self.host)
+                obj.ref_count_down()
+                if opened is None:
+                    self.stats.bad_chunks += 1
+                    M.MISSES.labels("bad").inc()
+                obj = opened
             if obj is not None and not hole and not self._fits(obj):
                 self.stats.layout_mismatch += 1
                 M.MISSES.labels("layout").inc()
@@ -590,15 +605,19 @@ class SharedTier:
                 self._drop("store_down")
             return
         t0 = time.monotonic()
+        sent = [self._sealed(k, o) for k, o, _ in batch]
 
         async def put_all() -> list[Any]:
-            return list(await asyncio.gather(*(inner.put(k, o) for k, o, _ in batch), return_exceptions=True))
+            return list(await asyncio.gather(*(inner.put(k, o) if o is not None else _unsealed()
+                                               for (k, _, _), o in zip(batch, sent)), return_exceptions=True))
 
         fut = asyncio.run_coroutine_threadsafe(put_all(), self._loop)
 
         def release(_f: Any) -> None:  # only once the sends are over: the store reads the chunks' memory
-            for _, obj, _ in batch:
+            for (_, obj, _), env in zip(batch, sent):
                 obj.ref_count_down()
+                if env is not None and env is not obj:
+                    env.ref_count_down()
 
         fut.add_done_callback(release)
         try:
@@ -628,6 +647,16 @@ class SharedTier:
         else:
             self.health.succeeded()
         M.WRITE_SECONDS.observe(time.monotonic() - t0)
+
+    def _sealed(self, rkey: Any, obj: Any) -> Any | None:
+        """What is sent for a chunk: itself, or its sealed envelope (None: it could not be sealed)."""
+        if self.sealer is None:
+            return obj
+        try:
+            return seal_envelope(self.sealer, rkey.to_string(), obj, self.host)
+        except Exception:  # noqa: BLE001 - that chunk is not sent
+            logger.exception("kvtier: sealing a chunk for the shared store failed; not sent")
+            return None
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write was sent (or dropped)."""
@@ -669,6 +698,10 @@ class SharedTier:
 
     def _close_connection(self) -> None:
         close_remote_connection(self.remote, self._inner, self._loop)
+
+
+async def _unsealed() -> None:
+    raise ValueError("the chunk could not be sealed (no host room for its envelope)")
 
 
 class _BadChunk(Exception):

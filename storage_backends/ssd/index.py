@@ -56,6 +56,7 @@ class Entry:
     pins: list[float] = field(default_factory=list)  # expiry times
     readers: int = 0
     removed: bool = False
+    foreign: bool = False  # of another namespace (identity.namespace): never looked up, reclaimed first
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class TierStats:
     journal_damaged_records: int = 0
     journal_records_dropped: int = 0
     journal_write_errors: int = 0
+    foreign_evicted: int = 0  #: chunks of another namespace reclaimed for new chunks
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -102,6 +104,7 @@ class ReplayReport:
     dropped_invalid: int  #: records out of range: a chunk larger than a slot, a generation not trusted
     stale: int  #: COMMIT records older than what their slot or key already held (duplicates, replays)
     max_gen: int
+    foreign: int = 0  #: chunks of another namespace (kept, reclaimed first)
 
 
 def _key_string(key: Any) -> str:
@@ -113,7 +116,8 @@ class SlotIndex:
     def __init__(self, max_slots: int, policy: EvictionPolicy, *, slot_size: int, pin_timeout_s: float,
                  layout_ok: Callable[[ChunkMeta], bool] | None = None,
                  on_slot_freed: Callable[[FreeRecord], None] | None = None,
-                 stats: TierStats | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 stats: TierStats | None = None, clock: Callable[[], float] = time.monotonic,
+                 own: Callable[[str], bool] | None = None) -> None:
         if max_slots < 1:
             raise ValueError("an SSD tier needs at least one slot")
         self.capacity = max_slots  #: configured slot budget
@@ -122,6 +126,8 @@ class SlotIndex:
         self.policy = policy
         self.pin_timeout_s = pin_timeout_s
         self.layout_ok = layout_ok or (lambda meta: True)
+        #: whether a replayed key is of this tier's namespace; the others are foreign (`_foreign`)
+        self.own = own or (lambda key: True)
         self.on_slot_freed = on_slot_freed or (lambda rec: None)
         self.stats = stats or TierStats()
         self.clock = clock
@@ -133,6 +139,8 @@ class SlotIndex:
         self._next_slot = 0
         self._gen = 0
         self._drop_listeners: list[Callable[[str, int, str], None]] = []
+        #: committed chunks of another namespace, oldest first: outside the policy, the first to be reclaimed
+        self._foreign: dict[str, None] = {}
         #: chunks evicted by `reserve()` whose slot is reserved but not yet written: slot -> (key, entry). Their
         #: drop is settled (listeners told) once the writer journaled their FREE records, or undone by
         #: `restore_victims` when it could not (a failed append costs no committed chunk).
@@ -194,11 +202,15 @@ class SlotIndex:
                         dropped += 1
             self._next_slot = max(owner, default=-1) + 1
             self._free = sorted(set(range(self._next_slot)).difference(owner))
-            for key in entries:  # oldest first, as LRU wants
-                self.policy.on_insert(key, 1)
+            for key, e in entries.items():  # oldest first, as LRU wants
+                if self.own(key):
+                    self.policy.on_insert(key, 1)
+                else:
+                    e.foreign = True
+                    self._foreign[key] = None
             self.stats.journal_records_dropped += invalid + stale
             self._publish()
-            return ReplayReport(len(entries), dropped, invalid, stale, self._gen)
+            return ReplayReport(len(entries), dropped, invalid, stale, self._gen, len(self._foreign))
 
     def live_records(self) -> list[CommitRecord]:
         """COMMIT records of every live chunk (a journal snapshot for compaction)."""
@@ -220,7 +232,7 @@ class SlotIndex:
 
     def _usable(self, key: str) -> Entry | None:
         e = self._entries.get(key)
-        if e is None:
+        if e is None or e.foreign:
             return None
         if not self.layout_ok(e.meta):  # type: ignore[arg-type]
             self._drop(key, e, "layout")
@@ -359,9 +371,14 @@ class SlotIndex:
             e = self._entries.get(k)  # type: ignore[arg-type]
             return e is not None and e.readers == 0 and not self._pinned(e, now)
 
-        for victim in self.policy.victims(1, evictable):
+        foreign = next((k for k in self._foreign if evictable(k)), None)
+        for victim in [foreign] if foreign is not None else self.policy.victims(1, evictable):
             e = self._entries.pop(victim)  # type: ignore[call-overload]
-            self.policy.on_remove(victim)
+            if e.foreign:
+                del self._foreign[victim]  # type: ignore[arg-type]
+                self.stats.foreign_evicted += 1
+            else:
+                self.policy.on_remove(victim)
             del self._slot_owner[e.slot]
             e.removed = True
             self._victims[e.slot] = (victim, e)  # type: ignore[assignment]
@@ -411,7 +428,11 @@ class SlotIndex:
                 e.removed = False
                 self._entries[key] = e
                 self._slot_owner[e.slot] = key
-                self.policy.on_insert(key, 1)
+                if e.foreign:
+                    self._foreign[key] = None
+                    self.stats.foreign_evicted -= 1
+                else:
+                    self.policy.on_insert(key, 1)
                 self.stats.evictions -= 1
             self._publish()
 
@@ -471,7 +492,10 @@ class SlotIndex:
         """Remove an entry; its slot is freed now, or when its last reader finishes."""
         if self._entries.get(key) is e:
             del self._entries[key]
-            self.policy.on_remove(key)
+            if e.foreign:
+                del self._foreign[key]
+            else:
+                self.policy.on_remove(key)
             why = "removed" if reason is None else ("layout" if reason == "layout" else "corrupt")
             self._tell_listeners(key, e, why)
         e.removed = True
@@ -501,6 +525,29 @@ class SlotIndex:
 
     def _publish(self) -> None:
         M.SSD_USED_BYTES.set(len(self._entries) * self.slot_size)
+        M.SSD_FOREIGN_CHUNKS.set(len(self._foreign))
+
+    # ------------------------------------------------------------------ chunks of other namespaces
+    def foreign_keys(self) -> list[str]:
+        """Keys of the committed chunks of other namespaces, the next to be reclaimed first."""
+        with self.lock:
+            return list(self._foreign)
+
+    def demote(self, keys: Iterable[str]) -> int:
+        """Make these committed chunks foreign (their identity is found stale after the start): they leave the
+        policy and are reclaimed first. Returns how many were."""
+        n = 0
+        with self.lock:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None or e.foreign:
+                    continue
+                self.policy.on_remove(key)
+                e.foreign = True
+                self._foreign[key] = None
+                n += 1
+            self._publish()
+        return n
 
     # ------------------------------------------------------------------ checks (tests and debugging)
     def check_invariants(self) -> None:

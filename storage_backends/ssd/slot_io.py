@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -250,9 +251,11 @@ class SlotIO:
         return crc
 
     # ------------------------------------------------------------------ reads
-    def read(self, items: list[SlotRead]) -> list[str | None]:
+    def read(self, items: list[SlotRead], on_whole: Callable[[int], None] | None = None) -> list[str | None]:
         """Read and verify chunks; per item None (the destination holds the chunk, bit-exact) or the reason the
-        chunk is unusable (`checksum`, `header`, `torn`, `io_error`, or NOT_READ). Never raises."""
+        chunk is unusable (`checksum`, `header`, `torn`, `io_error`, or NOT_READ). `on_whole(i)` is called as soon
+        as item i is verified, while later items may still be reading (the tier opens sealed chunks there). Never
+        raises."""
         jobs: list[tuple[memoryview, list[list[tuple[Future, int]]]] | str] = []
         for it in items:
             try:
@@ -280,6 +283,9 @@ class SlotIO:
             except Exception as e:  # noqa: BLE001
                 out.append(_verdict_of(e))
                 logger.warning("SSD chunk %s is unusable (%s); treated as a miss", it.key, e)
+                continue
+            if on_whole is not None:
+                on_whole(len(out) - 1)
         return out
 
     def _read_piece(self, fd: int, base: int, dest: memoryview, rng: tuple[int, int],

@@ -14,6 +14,11 @@ the chunk in the index (visible to readers) and `on_done(True)` called. Read pat
 into the destination, verified against key, generation, metadata and CRCs, or a miss (slot freed, counted).
 Never wrong KV; nothing raises into the caller once the tier has started; a full disk or failing device is logged
 once per episode and counted per chunk.
+
+`namespace` (a KV identity's, `identity.namespace`) qualifies every key the tier stores: callers see their own keys,
+chunks of other namespaces are never found, are reported at start and are reclaimed before any chunk of this one.
+With `encryption_key_file` chunks are sealed (`ssd/sealing.py`) on the writer threads and opened after their
+checksums passed; the secret's id is part of the namespace.
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvtier.identity.namespace import KeyNamespace, namespace_of
+from kvtier.identity.request import digest, tenant_of_key
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.config import ConfigError, KVTierConfig
 from kvtier.storage_backends.eviction import EvictionPolicy, make_policy
@@ -34,6 +42,7 @@ from kvtier.storage_backends.ssd import journal
 from kvtier.storage_backends.ssd.directory import DirectoryInUse, lock_directory, prepare_directory
 from kvtier.storage_backends.ssd.index import ChunkMeta, Entry, Reservation, SlotIndex, TierStats
 from kvtier.storage_backends.ssd.posix_io import align_up, bytes_view, probe_o_direct
+from kvtier.storage_backends.ssd.sealing import ChunkSealer, load_secret
 from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE, CommitRecord, header_fits
 from kvtier.storage_backends.ssd.slot_io import SlotIO, SlotRead, SlotWrite
 from kvtier.storage_backends.ssd.write_queue import PutTask, Submitted, WriteQueue
@@ -61,8 +70,17 @@ class SSDTier:
     def __init__(self, config: KVTierConfig, chunk_bytes: int,
                  layout_ok: Callable[[ChunkMeta], bool] | None = None,
                  policy: EvictionPolicy | None = None, subdir: str = "",
-                 max_inflight_bytes: int | None = None) -> None:
+                 max_inflight_bytes: int | None = None, namespace: str = "") -> None:
         self.config = config
+        #: AES-GCM sealing of chunk bytes (None: chunks are stored in the clear)
+        self.sealer: ChunkSealer | None = None
+        if config.encryption_key_file:
+            self.sealer = ChunkSealer(load_secret(config.encryption_key_file), tenant_of_key)
+            namespace = "m" + digest([namespace, "sealed", self.sealer.key_id])[:20]
+        self.namespace = ns = KeyNamespace(namespace)
+        #: the chunks of one write batch are sealed, and those of one read opened, side by side
+        self._crypto = (ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-ssd-crypto")
+                        if self.sealer is not None else None)
         #: bytes queued writes may hold before stores wait: the config's cap, or less where the caller's memory
         #: pool is smaller (the LMCache plugin passes half its host pool)
         self.max_inflight_bytes = min(config.max_inflight_write_mb << 20, max_inflight_bytes or (1 << 62))
@@ -107,7 +125,13 @@ class SSDTier:
                 raise ConfigError(f"kvtier.ssd_path: {e.filename or self.directory} {what}") from None
             self.index = SlotIndex(max_slots, policy or make_policy(config.eviction_policy),
                                    slot_size=self.slot_size, pin_timeout_s=config.pin_timeout_s,
-                                   layout_ok=layout_ok, on_slot_freed=self.io.free, stats=self.stats)
+                                   layout_ok=layout_ok, on_slot_freed=self.io.free, stats=self.stats,
+                                   own=ns.owns)
+            if ns.name:  # session signals arrive in the adapters' keys
+                from kvtier.storage_backends.eviction import session_signals
+                from kvtier.storage_backends.ssd.index import _key_string
+
+                session_signals.register(self.index.policy, lambda k: ns.qualify(_key_string(k)), self.index.lock)
             t0 = time.perf_counter()
             # The replay allocates an index entry per chunk: with the cyclic collector on, its passes over a large
             # process heap (an engine's) doubled the time (100k slots: 1.3-1.7 s against 0.6-0.8 s). Nothing the
@@ -128,6 +152,8 @@ class SSDTier:
         self.io_engine = self.io.engine
         self.policy = self.index.policy
         self.queue = WriteQueue(self.max_inflight_bytes, config.backpressure_timeout_s, self.index.is_stored)
+        if self.sealer is not None:  # sealed copies of the queued chunks' bytes, kept for reuse up to that bound
+            self.sealer.keep_bytes = self.max_inflight_bytes
         self._disk_full_at: float | None = None
         self._closed = False
         logger.info("SSD tier at %s: %d committed chunks found (index rebuilt in %.3f s), capacity %d slots of "
@@ -164,42 +190,75 @@ class SSDTier:
                            report.stale, report.chunks)
         if load.tail_cut_bytes:
             logger.info("SSD journal %s: cut a torn tail of %d bytes", self.io.journal.path, load.tail_cut_bytes)
+        if report.foreign:
+            self._report_foreign()
         if load.damaged_ranges or report.stale or len(load.records) > 2 * report.chunks + 1024:
             try:
                 self.io.compact(self.index.live_records())
             except OSError as e:
                 logger.warning("SSD journal compaction failed (%s); the journal stays as it is", e)
 
+    def _report_foreign(self) -> None:
+        """Log the chunks of other namespaces found at start: their count and size, per namespace."""
+        counts: dict[str, list[int]] = {}
+        for key in self.index.foreign_keys():
+            e = self.index.get(key)
+            c = counts.setdefault(namespace_of(key), [0, 0])
+            c[0] += 1
+            c[1] += e.meta.nbytes if e is not None else 0
+        total = sum(c[0] for c in counts.values())
+        logger.warning("SSD tier at %s: %d chunk(s) (%.1f MiB) of other KV identities (%s) are not this engine's "
+                       "(namespace %s: other weights, config, KV dtype, layout, parallelism or chunk size); they are "
+                       "never served and are reclaimed before any chunk of this one", self.directory, total,
+                       sum(c[1] for c in counts.values()) / (1 << 20),
+                       ", ".join(f"{ns}: {c[0]}" for ns, c in sorted(counts.items())), self.namespace.name or "-")
+
+    def foreign_chunks(self) -> int:
+        """Committed chunks of other namespaces still in the tier (reclaimed first)."""
+        return len(self.index.foreign_keys())
+
+    def demote(self, keys: Sequence[str]) -> int:
+        """Treat these chunks as another identity's from now on (an adapter found them stale): never served again,
+        reclaimed first. Returns how many were stored."""
+        return self.index.demote([self.namespace.qualify(k) for k in keys])
+
     # ------------------------------------------------------------------ lookups and pins
     def contains(self, key: str, pin: bool = False) -> bool:
-        return self.index.contains(key, pin)
+        return self.index.contains(self.namespace.qualify(key), pin)
 
     def prefix_contains(self, keys: Sequence[str], pin: bool = False, *, request: bool = False) -> int:
         """How many leading keys are stored. `request=True` marks a request's lookup of its whole prefix chain,
         which session-aware policies use to infer conversations (LMCache-only use)."""
-        return self.index.prefix_contains(keys, pin, request=request)
+        return self.index.prefix_contains([self.namespace.qualify(k) for k in keys], pin, request=request)
 
     def pin(self, key: str) -> bool:
-        return self.index.contains(key, pin=True)
+        return self.index.contains(self.namespace.qualify(key), pin=True)
 
     def unpin(self, key: str) -> bool:
-        return self.index.unpin(key)
+        return self.index.unpin(self.namespace.qualify(key))
 
     def is_pinned(self, key: str) -> bool:
-        return self.index.is_pinned(key)
+        return self.index.is_pinned(self.namespace.qualify(key))
 
     def exists_in_put_tasks(self, key: str) -> bool:
-        return self.queue.is_pending(key)
+        return self.queue.is_pending(self.namespace.qualify(key))
 
     def remove(self, key: str) -> bool:
         """Remove a chunk: the stored copy, and a write of it still queued or in progress (never committed after
         this returns). True if there was either."""
+        key = self.namespace.qualify(key)
         with self._cancel_lock:
             cancelled = self.queue.cancel(key)
             return self.index.remove(key) or cancelled
 
+    def entry(self, key: str) -> Entry | None:
+        """The index entry of a committed chunk (its slot, generation, metadata), None if not stored."""
+        return self.index.get(self.namespace.qualify(key))
+
     def keys(self) -> list[str]:
-        return self.index.keys()
+        """The keys of this namespace's committed chunks."""
+        ns = self.namespace
+        return [ns.strip(k) for k in self.index.keys() if ns.owns(k)]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -213,9 +272,15 @@ class SSDTier:
         return self.index.limit
 
     def add_drop_listener(self, fn: Callable[[str, int, str], None]) -> None:
-        """Call `fn(key, nbytes, reason)` whenever a committed chunk leaves the tier (`reason`: evicted, removed,
-        corrupt or layout). It runs under the index's lock: keep it short and never block in it."""
-        self.index.add_drop_listener(fn)
+        """Call `fn(key, nbytes, reason)` whenever a committed chunk of this namespace leaves the tier (`reason`:
+        evicted, removed, corrupt or layout). It runs under the index's lock: keep it short and never block in it."""
+        ns = self.namespace
+
+        def own_drops(key: str, nbytes: int, reason: str) -> None:
+            if ns.owns(key):
+                fn(ns.strip(key), nbytes, reason)
+
+        self.index.add_drop_listener(own_drops)
 
     # ------------------------------------------------------------------ writes
     def submit_put(self, key: str, meta: ChunkMeta, buf: memoryview, on_done: Callable[[bool], None]) -> bool:
@@ -228,6 +293,7 @@ class SSDTier:
         now = time.monotonic()
         tasks: list[PutTask | None] = []
         for key, meta, buf, on_done in puts:
+            key = self.namespace.qualify(key)
             buf = bytes_view(buf)
             why = _unstorable(key, meta, buf, self.slot_size - HEADER_SIZE, self.seg)
             if why is not None:
@@ -307,6 +373,7 @@ class SSDTier:
 
     def _write_batch(self, batch: list[PutTask]) -> list[bool]:
         reservations: list[Reservation | None] = []
+        held: list[memoryview] = []  # sealing buffers taken for this batch
         settled: set[int] = set()  # reservations committed or given back
         try:
             with self._reserve_lock:
@@ -319,14 +386,16 @@ class SSDTier:
                     if not t.cancelled:
                         self._count_drop("io_error")
                 return [False] * len(batch)
-            writes = [SlotWrite(t.key, r.slot, r.gen, t.meta, t.buf[:t.meta.nbytes])
-                      for t, r in zip(batch, reservations) if r is not None]
+            stored = self._stored_forms(batch, reservations, held)
+            writes = [SlotWrite(t.key, r.slot, r.gen, m, b[:m.nbytes])
+                      for t, r, (m, b) in zip(batch, reservations, stored) if r is not None and b is not None]
             verdicts = iter(self.io.write(writes))
-            reasons = [("cancelled" if t.cancelled else "no_space") if r is None else next(verdicts)
-                       for t, r in zip(batch, reservations)]
-            commits = [CommitRecord(r.slot, r.gen, t.key, t.meta.nbytes, tuple(t.meta.shape), t.meta.dtype,
-                                    t.meta.fmt, self.seg, t.meta.extra)
-                       for t, r, why in zip(batch, reservations, reasons) if r is not None and why is None]
+            reasons = [("cancelled" if t.cancelled else "no_space") if r is None else
+                       ("invalid" if b is None else next(verdicts))
+                       for t, r, (_m, b) in zip(batch, reservations, stored)]
+            commits = [CommitRecord(r.slot, r.gen, t.key, m.nbytes, tuple(m.shape), m.dtype, m.fmt, self.seg, m.extra)
+                       for t, r, why, (m, _b) in zip(batch, reservations, reasons, stored)
+                       if r is not None and why is None]
             results = [False] * len(batch)
             with self._commit_lock:  # a compaction's snapshot never misses a COMMIT already in the journal
                 if commits:
@@ -345,7 +414,7 @@ class SSDTier:
                         with self._cancel_lock:  # a remove() of this key either came first or comes after
                             if t.cancelled:
                                 continue
-                            self.index.commit(t.key, r, t.meta, self.seg)
+                            self.index.commit(t.key, r, stored[i][0], self.seg)
                         settled.add(i)
                         results[i] = True
             for i, (t, r, why) in enumerate(zip(batch, reservations, reasons)):
@@ -365,6 +434,31 @@ class SSDTier:
                 if r is not None and i not in settled:
                     self.index.unreserve(r)
             raise
+        finally:
+            for buf in held:  # the sealed copies were written (or abandoned): their buffers serve the next batch
+                self.sealer.give_buffer(buf)  # type: ignore[union-attr]
+
+    def _stored_forms(self, batch: list[PutTask], reservations: list[Reservation | None], held: list[memoryview]
+                      ) -> list[tuple[ChunkMeta, memoryview | None]]:
+        """What each chunk of a batch is written as (sealed side by side on the crypto threads when the tier seals:
+        AES-GCM releases the GIL)."""
+        if self._crypto is None or len(batch) < 2:
+            return [self._sealed(t, held) if r is not None else (t.meta, t.buf) for t, r in zip(batch, reservations)]
+        return list(self._crypto.map(lambda tr: self._sealed(tr[0], held) if tr[1] is not None else
+                                     (tr[0].meta, tr[0].buf), zip(batch, reservations)))
+
+    def _sealed(self, t: PutTask, held: list[memoryview]) -> tuple[ChunkMeta, memoryview | None]:
+        """What a chunk is stored as: itself, or sealed into a buffer added to `held` (None: sealing failed, the
+        chunk is not stored)."""
+        if self.sealer is None:
+            return t.meta, t.buf
+        try:
+            buf = self.sealer.take_buffer(t.meta.nbytes)
+            held.append(buf)
+            return self.sealer.seal(t.key, t.meta, t.buf, buf)
+        except Exception:  # noqa: BLE001 - that chunk is not stored, the writer goes on
+            logger.exception("SSD tier: sealing chunk %s failed; not stored", t.key)
+            return t.meta, None
 
     def _log_blocked(self, batch: list[PutTask], reservations: list[Reservation | None]) -> None:
         """Chunks that got no slot while the disk is fine: every slot is pinned or being read (logged once per
@@ -457,17 +551,30 @@ class SSDTier:
         (an `alloc` or `release` that raises makes that chunk a miss)."""
         t0 = time.monotonic()
         self._reading(1)
+        asked, keys = keys, [self.namespace.qualify(k) for k in keys]
         entries = self.index.begin_read(keys)
         verdicts: list[str | None] = [None] * len(keys)
         served = [False] * len(keys)
         out: list[Any] = [None] * len(keys)
         try:
             dests: list[tuple[memoryview, Any] | None] = [self._stage(k, e, alloc, release)
-                                                          for k, e in zip(keys, entries)]
+                                                          for k, e in zip(asked, entries)]
             todo = [i for i, d in enumerate(dests) if d is not None]
             reads = [SlotRead(keys[i], entries[i].slot, entries[i].gen, entries[i].meta, entries[i].seg,
                               dests[i][0]) for i in todo]  # type: ignore[union-attr,index]
-            for i, verdict in zip(todo, self.io.read(reads)):
+            opening: dict[int, Any] = {}  # sealed chunks are opened as each arrives, while later ones still read
+
+            def open_now(j: int) -> None:
+                i = todo[j]
+                opening[i] = self._crypto.submit(  # type: ignore[union-attr]
+                    self._opened, keys[i], entries[i].meta, dests[i][0])  # type: ignore[index,union-attr]
+
+            results = list(zip(todo, self.io.read(reads, open_now if self._crypto is not None else None)))
+            for i, verdict in results:
+                if verdict is None:
+                    ok = opening[i].result() if i in opening else self._opened(
+                        keys[i], entries[i].meta, dests[i][0])  # type: ignore[index,union-attr]
+                    verdict = None if ok else "auth"
                 verdicts[i] = verdict
                 if verdict is None:
                     out[i] = dests[i][1]  # type: ignore[index]
@@ -479,6 +586,18 @@ class SSDTier:
             self._reading(-1)
         M.SSD_READ_SECONDS.observe(time.monotonic() - t0)
         return out
+
+    def _opened(self, key: str, meta: Any, dest: memoryview) -> bool:
+        """A chunk read whole: decrypted in place when the tier seals chunks (False: not sealed, or it fails
+        authentication); a sealed chunk in a tier without the secret is refused too."""
+        sealed = isinstance(meta.extra, dict) and "sealed" in meta.extra
+        if self.sealer is None:
+            return not sealed
+        try:
+            return sealed and self.sealer.open(key, meta, dest)
+        except Exception:  # noqa: BLE001 - a chunk that cannot be opened is a miss, never an error for the caller
+            logger.exception("SSD tier: opening sealed chunk %s failed; treated as a miss", key)
+            return False
 
     @staticmethod
     def _stage(key: str, e: Entry | None, alloc, release) -> tuple[memoryview, Any] | None:
@@ -506,14 +625,18 @@ class SSDTier:
 
     @property
     def reads_into_device(self) -> bool:
-        """Whether reads can go straight into device memory (`kvtier.io_engine` resolved to kvikio)."""
-        return self.io is not None and self.io.device_reads
+        """Whether reads can go straight into device memory (`kvtier.io_engine` resolved to kvikio, and chunks are not
+        sealed: they are opened in host memory)."""
+        return self.io is not None and self.io.device_reads and self.sealer is None
 
     def read_batch_into_device(self, keys: Sequence[str], dest: Callable[[str, ChunkMeta], Any]) -> list[bool]:
         """Read chunks straight into the device tensors `dest(key, meta)` names (None: not read) through kvikio,
         each verified against its slot's checksums; True where the chunk arrived whole. Never raises."""
+        if self.sealer is not None:  # sealed chunks are opened in host memory (`reads_into_device` is False)
+            return [False] * len(keys)
         t0 = time.monotonic()
         self._reading(1)
+        asked, keys = keys, [self.namespace.qualify(k) for k in keys]
         entries = self.index.begin_read(keys)
         verdicts: list[str | None] = [None] * len(keys)
         served = [False] * len(keys)
@@ -522,7 +645,7 @@ class SSDTier:
                 if e is None or self.io is None:
                     continue
                 try:
-                    d = dest(key, e.meta)
+                    d = dest(asked[i], e.meta)
                 except Exception:
                     logger.exception("cannot place SSD chunk %s in device memory; treated as a miss", key)
                     d = None
@@ -610,6 +733,8 @@ class SSDTier:
                     logger.exception("put completion callback failed for %s", t.key)
         for w in self._writers:
             w.join()
+        if self._crypto is not None:
+            self._crypto.shutdown(wait=True)
         self.io.close()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)

@@ -15,6 +15,10 @@ policy, back-pressure). What it adds is vLLM's `SecondaryTierManager` contract:
   `ssd_path/vllm-offload/<model>_<digest>`, the digest covering vLLM's own description of the layout (model, dtype,
   tokens per hash, blocks per chunk, parallelism, KV-cache groups: `FileMapper`'s run config) and the chunk size; a
   chunk of another layout is in another directory, and its slot header (`fmt`) is checked again on every read.
+  vLLM's block hashes carry each request's cache salt, LoRA adapter and multimodal items; kvtier adds the KV
+  identity of the weights (`kvtier.identity`: a fingerprint of the weight files' content and config.json, or
+  `model_identity`) as the namespace of every key, so weights changed in place under the same model path are
+  misses, their chunks reclaimed first.
 - jobs: `submit_store`/`submit_load` only queue (they run on the scheduler thread). One dispatcher thread hands each
   store job's chunks to the tier, which may make it wait (back-pressure: `max_inflight_write_mb`,
   `backpressure_timeout_s`); a store job finishes when every chunk is committed (durable with `durable_writes`) or
@@ -52,6 +56,7 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.compat import guard
+from kvtier.identity.model import ModelFingerprint, config_digest, read_config, weights_identity
 from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.config import ConfigError, parse_adapter_params
 from kvtier.storage_backends.ssd.directory import prepare_directory
@@ -95,6 +100,15 @@ class ChunkLayout:
     def fmt(self) -> str:
         return FMT_PREFIX + self.digest
 
+    def fingerprint(self, declared: str = "") -> ModelFingerprint:
+        """The KV identity of this layout's chunks: the weights and config of the model it names, and the layout
+        (vLLM's own description: model, KV dtype, tokens per hash, blocks per chunk, parallelism, groups)."""
+        model = str(self.fields.get("model_name", ""))
+        tokens = int(self.fields.get("tokens_per_hash", 0) or 0) * int(self.fields.get("blocks_per_file", 0) or 0)
+        return ModelFingerprint(weights_identity(model, declared), config_digest(read_config(model)),
+                                str(self.fields.get("dtype", "")), "vllm-offload:" + self.digest, tokens,
+                                int(self.fields.get("tp_size", 1) or 1), -1)
+
 
 def key_string(key: OffloadKey) -> str:
     return bytes(key).hex()
@@ -128,8 +142,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
         prepare_directory(cfg.ssd_path)
         prepare_directory(tier_directory(cfg.ssd_path))
         fmt = self.layout.fmt
+        self.fingerprint = self.layout.fingerprint(cfg.model_identity)
+        logger.info("kvtier secondary tier '%s': KV identity %s", tier_type, self.fingerprint.describe())
         self.tier = SSDTier(cfg, self.block_size_bytes, layout_ok=lambda meta: meta.fmt == fmt,
-                            subdir=f"{SUBDIR}/{self.layout.directory_name}")
+                            subdir=f"{SUBDIR}/{self.layout.directory_name}", namespace=self.fingerprint.namespace)
         self._write_layout_file()
         self._meta = ChunkMeta(nbytes=self.block_size_bytes, shape=(self.block_size_bytes,), dtype="uint8", fmt=fmt)
         self._lock = threading.Lock()
