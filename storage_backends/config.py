@@ -178,6 +178,11 @@ def _build(merged: dict[str, Any], label: Callable[[str], str], where: str, exam
     if "encryption_key_file" in values:
         from kvtier.storage_backends.ssd.sealing import load_secret
 
+        try:
+            import cryptography  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"{label('encryption_key_file')} needs the cryptography package (pip install "
+                              "'kvtier[encryption]')") from None
         values["encryption_key_file"] = os.path.abspath(os.path.expanduser(values["encryption_key_file"]))
         load_secret(values["encryption_key_file"], label("encryption_key_file"))  # unsafe or short: fail now
     from kvtier.storage_backends.eviction import make_policy
