@@ -75,18 +75,33 @@ def identity_report(model: str, declared: str = "", revision: str | None = None)
         "chunk layout and format version, chunk size, tensor-parallel size and rank"])
 
 
+def _needs_lmcache(path: str, component: str) -> None:
+    """ConfigError naming `kvtier[lmcache]` where the file is for an LMCache-only component and LMCache is missing."""
+    from kvtier.compat.extras import MissingExtra, require_lmcache
+
+    try:
+        require_lmcache(component)
+    except MissingExtra as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
 def check(path: str) -> str:
     """Validate `path`; returns a one-line summary or raises ConfigError."""
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: no such file")
     with open(path) as f:
         head = f.read(4096).lstrip()
+    from kvtier.compat import guard
+
     if path.endswith(".json") or head.startswith("{"):
         if '"OffloadingConnector"' in head:
-            return check_vllm_offloading_json(path)
+            return check_vllm_offloading_json(path)  # vLLM's own offloading: no LMCache needed
         if '"kv_connector"' in head:
+            _needs_lmcache(path, guard.COMPONENT_CONNECTOR)
             return check_vllm_json(path)
+        _needs_lmcache(path, guard.COMPONENT_MP_ADAPTER)
         return check_l2_adapter(path)
+    _needs_lmcache(path, guard.COMPONENT_PLUGIN)
     from kvtier.storage_backends.lmcache.backend import load_lmcache_config
 
     try:

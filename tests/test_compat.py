@@ -176,6 +176,7 @@ class Worker:
             t.zero_()
 
 
+@pytest.mark.needs("lmcache")
 def test_connector_from_shipped_config_moves_kv_through_host_and_ssd_tiers(tmp_path, monkeypatch):
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -266,6 +267,7 @@ def test_connector_from_shipped_config_moves_kv_through_host_and_ssd_tiers(tmp_p
         worker.conn.shutdown()
 
 
+@pytest.mark.needs("vllm_config")
 @pytest.mark.parametrize("backend_name", ["CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "ROCM_ATTN"])
 def test_layout_detection_on_each_backends_declared_kv_layouts(tmp_path, monkeypatch, backend_name):
     """For every layout the backend declares, vLLM's allocator lays the KV tensors out, kvtier's worker detects
@@ -317,6 +319,7 @@ def test_layout_detection_on_each_backends_declared_kv_layouts(tmp_path, monkeyp
     assert checked >= 1
 
 
+@pytest.mark.needs("vllm_config")
 def test_scheduler_hook_base_follows_async_scheduling(tmp_path, monkeypatch):
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -354,6 +357,7 @@ def test_kvtier_installs_no_top_level_modules_but_its_own():
     import transformers  # noqa: F401  (imports `kernels` if present; must not pick up ours)
 
 
+@pytest.mark.needs("lmcache")
 def test_plugin_in_scheduler_role_stores_nothing(tmp_path):
     from lmcache.v1.config import LMCacheEngineConfig
 

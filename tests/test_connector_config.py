@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.compat
+pytestmark = [pytest.mark.compat, pytest.mark.needs("lmcache")]  # KVTierConnector is kvtier[lmcache]
 
 from kvtier.connector import config as C  # noqa: E402
 from kvtier.storage_backends.config import ConfigError  # noqa: E402

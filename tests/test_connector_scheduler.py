@@ -21,7 +21,7 @@ import uuid
 import pytest
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.compat
+pytestmark = [pytest.mark.compat, pytest.mark.needs("lmcache")]  # KVTierConnector is kvtier[lmcache]
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 

@@ -12,6 +12,9 @@ import pytest
 pytest.importorskip("vllm")  # the connector's modules build on vLLM's connector base
 
 import torch  # noqa: E402
+
+pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
+
 from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 

@@ -22,6 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
+
 from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, load_lmcache_config
 
 CHUNK = 16

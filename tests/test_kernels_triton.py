@@ -208,17 +208,29 @@ def test_triton_interpreter(worker_results: dict, name: str) -> None:
     assert r["ok"], r["detail"]
 
 
+def _no_cuda_backend() -> str | None:
+    """Why this Triton cannot compile for CUDA here (not installed, or built without its NVIDIA backend), or None."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("triton.backends.nvidia.compiler")
+    except ImportError:
+        spec = None
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    return None if spec is not None else "this Triton has no NVIDIA backend (triton.backends.nvidia)"
+
+
 def test_compiles_for_sm90_with_16_byte_accesses() -> None:
     """The kernel compiles for an H100/H200 (sm_90) here, without a GPU, and moves data in 16-byte vectors."""
+    why = _no_cuda_backend()
+    if why:  # a positive check that this Triton cannot target CUDA at all; any failure past it fails the test
+        pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, str(HERE), "--aot"], env=env, capture_output=True, text=True, timeout=300)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    if proc.returncode != 0 and not lines:
-        if "ptxas" in proc.stderr or "GPUTarget" in proc.stderr or "ASTSource" in proc.stderr:
-            pytest.skip(f"offline compilation unavailable: {proc.stderr[-300:]}")
-        pytest.fail(proc.stderr[-3000:])
-    assert len(lines) == 4, proc.stderr[-2000:]
+    assert proc.returncode == 0 and len(lines) == 4, f"rc {proc.returncode}: {proc.stderr[-3000:]}"
     for r in lines:
         assert r["ok"], r
 

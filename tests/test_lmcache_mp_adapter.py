@@ -19,6 +19,8 @@ import torch
 
 pytestmark = pytest.mark.compat
 
+pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
+
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.config import L1MemoryManagerConfig
 from lmcache.v1.distributed.internal_api import L2AdapterListener

@@ -13,6 +13,8 @@ import pytest
 pytestmark = pytest.mark.compat
 import torch
 
+pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
+
 from kvtier.testing.engine_factory import (
     TINY as SHAPE,
 )

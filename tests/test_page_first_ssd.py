@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
+
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.metadata import LMCacheMetadata
 

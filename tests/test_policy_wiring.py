@@ -14,6 +14,9 @@ import torch
 from kvtier.storage_backends.eviction import session_signals
 from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
 from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
+
+pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
+
 from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, load_lmcache_config
 
 pytestmark = pytest.mark.compat

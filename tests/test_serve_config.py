@@ -41,6 +41,7 @@ def test_readme_json_is_the_shipped_config():
     assert shown == json.loads((REPO / "configs" / "vllm-kv-transfer.json").read_text())
 
 
+@pytest.mark.needs("lmcache")
 def test_readme_command_builds_connector_and_scheduler(tmp_path, lmcache_yaml):
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig

@@ -20,6 +20,9 @@ from kvtier.storage_backends.shared.tier import (  # noqa: E402
     attach_shared_tier,
     detach_remote_backends,
 )
+
+pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
+
 from kvtier.testing.engine_factory import TINY as SHAPE  # noqa: E402
 from kvtier.testing.engine_factory import (  # noqa: E402
     ModelShape,

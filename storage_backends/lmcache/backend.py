@@ -17,6 +17,11 @@ LMCache contracts honoured here (see LMCache 0.5.6 `StoragePluginInterface` and 
 
 from __future__ import annotations
 
+from kvtier.compat.extras import require_lmcache
+from kvtier.compat.guard import COMPONENT_PLUGIN
+
+require_lmcache(COMPONENT_PLUGIN)  # before LMCache's imports: without LMCache, one line naming kvtier[lmcache]
+
 import asyncio
 import logging
 import math

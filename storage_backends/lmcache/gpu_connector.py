@@ -28,6 +28,11 @@ chunks; LMCache only uses it for statistics and in PD/P2P transfer paths, which 
 
 from __future__ import annotations
 
+from kvtier.compat.extras import require_lmcache
+from kvtier.compat.guard import COMPONENT_PLUGIN
+
+require_lmcache(COMPONENT_PLUGIN)  # before LMCache's imports: without LMCache, one line naming kvtier[lmcache]
+
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass

@@ -37,6 +37,11 @@ thread hands to LMCache's listeners.
 
 from __future__ import annotations
 
+from kvtier.compat.extras import require_lmcache
+from kvtier.compat.guard import COMPONENT_MP_ADAPTER
+
+require_lmcache(COMPONENT_MP_ADAPTER)  # before LMCache's imports: without LMCache, one line naming kvtier[lmcache]
+
 import collections
 import json
 import logging
