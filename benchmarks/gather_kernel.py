@@ -380,7 +380,7 @@ def run(args: argparse.Namespace) -> dict:
         problems = check_bit_exact(device, impl)
         res["bit_exact"] = not problems
         res["bit_exact_problems"] = problems
-        say(f"[check] bit-exact kernel vs torch path vs per-page copies: {'OK' if not problems else problems} "
+        say(f"[check] bit-exact kernel vs torch path vs per-page copies: {problems if problems else 'OK'} "
             f"({time.time() - t0:.1f}s)")
 
     copier = BatchCopier() if ("c" in methods and device.type == "cuda") else None

@@ -11,6 +11,7 @@ them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -66,10 +67,8 @@ def main() -> int:
 
     def drop():
         os.sync()
-        try:
+        with contextlib.suppress(OSError):
             open("/proc/sys/vm/drop_caches", "w").write("3\n")
-        except OSError:
-            pass
 
     # warm-up, untimed: the checksum kernel's first launch compiles it; kvikio opens its thread pool
     assert tier.read_into_device(keys[0], gpu[0])

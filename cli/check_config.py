@@ -20,9 +20,11 @@ known before an engine starts (`kvtier.identity`): the weights' fingerprint (or 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
+from kvtier.connector import plugin
 from kvtier.storage_backends.config import ConfigError, KVTierConfig, parse_kvtier_config
 from kvtier.storage_backends.ssd.posix_io import free_bytes
 
@@ -179,10 +181,8 @@ def capacity_note(kv: KVTierConfig, key: str = "kvtier.ssd_capacity_gb") -> str:
         for root, _dirs, files in os.walk(kv.ssd_path):  # never follows links
             for name in files:
                 if (name.startswith("slots-") and name.endswith(".dat")) or name.startswith("journal-"):
-                    try:
+                    with contextlib.suppress(OSError):
                         own += os.lstat(os.path.join(root, name)).st_blocks * 512
-                    except OSError:
-                        pass
     room = free + own
     if kv.capacity_bytes <= room:
         return ""
@@ -263,8 +263,8 @@ def check_l2_adapter(path: str) -> str:
             f"durable_writes={kv.durable_writes}, eviction={kv.eviction_policy}){note}")
 
 
-CONNECTOR_NAME = "KVTierConnector"
-CONNECTOR_MODULE = "kvtier.connector"
+CONNECTOR_NAME = plugin.NAME
+CONNECTOR_MODULE = plugin.MODULE
 
 
 def check_vllm_json(path: str, block_size: int = 16) -> str:

@@ -165,7 +165,7 @@ class Replica:
         path = workdir / f"{name}.args.json"
         path.write_text(json.dumps(args))
         self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - the replica process writes it while it lives
         code = ("if __name__ == '__main__':\n    from kvtier.cli.demo_shared import replica_main\n"
                 f"    replica_main({str(path)!r})")
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=workdir,

@@ -36,7 +36,7 @@ def engine_main(args_path: str) -> None:
     args = json.loads(Path(args_path).read_text())
     faulthandler.dump_traceback_later(args["watchdog_s"], exit=True)  # a hang shows its stacks
     fd = int(os.environ.get(PROGRESS_FD_ENV, "-1"))
-    progress = os.fdopen(fd, "w", buffering=1) if fd >= 0 else open(os.devnull, "w")
+    progress = os.fdopen(fd, "w", buffering=1) if fd >= 0 else open(os.devnull, "w")  # noqa: SIM115
 
     def say(*parts: Any) -> None:
         progress.write(" ".join(str(p) for p in parts) + "\n")

@@ -193,10 +193,14 @@ def update_doc(text: str, table: str) -> str:
 def main(argv: list[str]) -> int:
     m = _matrix()
     combos = m.load(os.path.join(ROOT, "compat", "matrix.toml"))
-    results = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
+    results = {}
+    if os.path.exists(RESULTS):
+        with open(RESULTS) as f:
+            results = json.load(f)
     stamp = run_stamp()
     for path in argv:
-        report = json.load(open(path))
+        with open(path) as f:
+            report = json.load(f)
         inst = report["installed"]
         row = m.find(inst["build"], inst["vllm"] or "", inst["lmcache"] or "", combos)
         if row is None:

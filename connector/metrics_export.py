@@ -27,6 +27,7 @@ SSD commit that lands after the last step of a burst shows at the next step.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import socket
@@ -182,10 +183,8 @@ def install_mirror(registry=REGISTRY) -> Mirror | None:
             _import_series()
             local = [series.prom for series in metrics_core.all_series()]
             for c in local:
-                try:
+                with contextlib.suppress(KeyError):  # not registered there
                     registry.unregister(c)
-                except KeyError:  # not registered there
-                    pass
             _MIRROR = Mirror(local)
             registry.register(_MIRROR)
         return _MIRROR

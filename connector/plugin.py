@@ -19,6 +19,8 @@ import logging
 logger = logging.getLogger(__name__)
 
 NAME = "KVTierConnector"
+#: the module path a `--kv-transfer-config` may name (`kv_connector_module_path`)
+MODULE = "kvtier.connector"
 
 
 def attach_vllm_logging() -> bool:

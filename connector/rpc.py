@@ -24,6 +24,7 @@ into `RPCError`, naming each rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -194,10 +195,8 @@ class RPCServer:
         self._thread.join(timeout=5)
         path = self.address[len("ipc://"):] if self.address.startswith("ipc://") else None
         if path and os.path.exists(path):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
 
 
 class RPCError(RuntimeError):
@@ -229,10 +228,8 @@ class RPCClient:
         s = self._socks[i]
         self._socks[i] = None
         if s is not None:
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 s.close(0)
-            except zmq.ZMQError:
-                pass
 
     def call(self, req: Request[R], timeout_ms: int | None = None) -> list[R]:
         """Send `req` to every rank and return their replies in rank order. Every reply is read (or its socket

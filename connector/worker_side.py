@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -256,10 +257,8 @@ class WorkerSide:
         # them, or an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) never exits.
         register = getattr(threading, "_register_atexit", None)
         if register is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # interpreter already shutting down
                 register(self.close)
-            except RuntimeError:  # interpreter already shutting down
-                pass
         logger.info("kvtier connector worker rank %d: %d layers, layout %s, chunk %d tokens, page %d tokens, SSD tier "
                     "at %s (%d chunks)", self.rank, len(self.kv_list), kind.value, chunk, self.cfg.page_tokens,
                     self.ssd.directory, len(self.ssd))
@@ -275,7 +274,8 @@ class WorkerSide:
         sealer = None
         if self.cfg.kvtier.encryption_key_file:  # the store holds sealed envelopes, under keys naming the secret
             from kvtier.identity.request import tenant_of_key
-            from kvtier.storage_backends.ssd.sealing import ChunkSealer, load_secret
+            from kvtier.storage_backends.config import load_secret
+            from kvtier.storage_backends.ssd.sealing import ChunkSealer
 
             sealer = ChunkSealer(load_secret(self.cfg.kvtier.encryption_key_file), tenant_of_key)
         tier = attach_shared_tier(self.engine, expected_layout(md, "page_first", self.cfg.page_tokens), tag,
@@ -628,9 +628,8 @@ class WorkerSide:
             self.server = None
         if self.storage is not None:
             self.storage.close()
-        if self.transfers is not None:
-            if not self.transfers.close(60):
-                logger.warning("kvtier: loads or saves still queued on the transfer thread after 60 s are dropped")
+        if self.transfers is not None and not self.transfers.close(60):
+            logger.warning("kvtier: loads or saves still queued on the transfer thread after 60 s are dropped")
         if self.shared is not None:
             try:
                 self.shared.close()  # before LMCache closes its backends (see SharedTier.close)

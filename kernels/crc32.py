@@ -20,6 +20,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from isal.isal_zlib import crc32_combine as _crc32_combine
 
 __all__ = ["DEFAULT_PIECE", "GPU_PIECE", "piece_crcs", "segment_crcs", "slicing_tables"]
 
@@ -73,8 +74,6 @@ def segment_crcs(buf: torch.Tensor, seg: int, piece: int | None = None, impl: Im
         raise ValueError(f"segments of {seg} bytes cannot be cut into pieces of a multiple of 4 bytes")
     if impl == "triton":
         return _triton_segments(buf, seg, piece)
-    from kvtier.storage_backends.ssd.slot_format import combine_checksums, segments
-
     n = buf.numel()
     crcs = piece_crcs(buf, piece, "torch")
     starts, lens = _piece_layout(n, piece)
@@ -82,8 +81,24 @@ def segment_crcs(buf: torch.Tensor, seg: int, piece: int | None = None, impl: Im
     for lo, hi in segments(n, seg):
         first = lo // piece
         last = max(first + 1, -(-hi // piece))
-        out.append(combine_checksums([(crcs[i], lens[i]) for i in range(first, last)]))
+        out.append(combine([(crcs[i], lens[i]) for i in range(first, last)]))
     return out
+
+
+def segments(nbytes: int, seg: int) -> list[tuple[int, int]]:
+    """The `[lo, hi)` byte ranges of `seg`-byte segments of `nbytes` bytes (one empty range for none): the SSD slot
+    format's data segments (`ssd.slot_format.segments`, the same rule; tests/test_kernels_crc32.py holds them
+    equal). Here so that the kernels import no storage module."""
+    return [(lo, min(lo + seg, nbytes)) for lo in range(0, nbytes, seg)] or [(0, 0)]
+
+
+def combine(parts: list[tuple[int, int]]) -> int:
+    """The CRC-32 of consecutive ranges from each range's (CRC-32, length), by ISA-L's `crc32_combine` (what
+    `ssd.slot_format.combine_checksums` computes)."""
+    crc, _ = parts[0]
+    for part, n in parts[1:]:
+        crc = _crc32_combine(crc, part, n)
+    return crc
 
 
 def _check(buf: torch.Tensor) -> None:
@@ -96,8 +111,6 @@ def _impl(buf: torch.Tensor, impl: Impl) -> Impl:
 
 
 def _triton_segments(buf: torch.Tensor, seg: int, piece: int) -> list[int]:
-    from kvtier.storage_backends.ssd.slot_format import segments
-
     from . import crc32_triton  # lazily: TRITON_INTERPRET must be set before triton loads
 
     linear = crc32_triton.linear_segment_crcs(buf, seg, piece).cpu().tolist()
@@ -108,13 +121,12 @@ def _triton_segments(buf: torch.Tensor, seg: int, piece: int) -> list[int]:
 @lru_cache(maxsize=256)
 def zeros_crc(n: int) -> int:
     """zlib's CRC-32 of `n` zero bytes (what the initial and final inversions add to the linear CRC), by doubling."""
-    from kvtier.storage_backends.ssd.slot_format import combine_checksums
 
     crc, block, size = 0, 0xD202EF8D, 1  # crc32(b"\0")
     while n:
         if n & 1:
-            crc = combine_checksums([(crc, 0), (block, size)])
-        block = combine_checksums([(block, size), (block, size)])
+            crc = combine([(crc, 0), (block, size)])
+        block = combine([(block, size), (block, size)])
         size *= 2
         n >>= 1
     return crc

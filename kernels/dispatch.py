@@ -207,8 +207,8 @@ class PageMover:
             raise LayoutError(f"host buffer dtype {host.dtype} != KV cache dtype {self.kv.dtype}")
         if not host.is_contiguous():
             raise LayoutError("host buffer must be contiguous")
-        if self.impl == "triton" and self.kv.device.type == "cuda":
-            if host.device.type == "cpu" and not host.is_pinned():
+        if (self.impl == "triton" and self.kv.device.type == "cuda" and host.device.type == "cpu"
+                and not host.is_pinned()):
                 raise LayoutError("host buffer must be pinned memory for the GPU kernel (torch pin_memory())")
 
     # -- execution -----------------------------------------------------------------------------------

@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field
 from kvtier.replay import vllm_offload
 from kvtier.replay.traces import TraceRequest, input_error, read_trace, unique_blocks
 from kvtier.storage_backends.eviction.base import (
-    POLICY_REGISTRY,
     EvictionPolicy,
     make_policy,
-    production_policy_names,
+    policy_class,
+    policy_names,
 )
 from kvtier.storage_backends.ssd.index import ChunkMeta, SlotIndex
 
@@ -304,8 +304,7 @@ def _replay_vllm(reqs, name, host, ssd, progress, score_from) -> ReplayResult:
 
 
 def known_policy(name: str) -> bool:
-    production_policy_names()  # loads every policy module
-    return name in POLICY_REGISTRY or vllm_offload.is_vllm_policy(name)
+    return policy_class(name) is not None or vllm_offload.is_vllm_policy(name)
 
 
 # ---------------------------------------------------------------- CLI
@@ -356,7 +355,7 @@ def _file_policies(args: argparse.Namespace) -> tuple[str, str]:
     if clash:
         raise SystemExit(f"kvtier replay: {' and '.join(clash)} contradict --kv-transfer-config {path}: the file "
                          "sets the host and SSD tiers' policies; give one or the other")
-    from kvtier.cli.transfer_config import load_transfer_config, unmodelled
+    from kvtier.replay.transfer_config import load_transfer_config, unmodelled
     from kvtier.storage_backends.config import ConfigError
 
     try:
@@ -403,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
     for p in policies:  # fail before replaying anything
         if not known_policy(p):
             raise SystemExit(f"kvtier replay: unknown eviction policy {p!r}; choose from "
-                             f"{sorted(POLICY_REGISTRY) + sorted(vllm_offload.VLLM_POLICIES)}")
+                             f"{policy_names() + sorted(vllm_offload.VLLM_POLICIES)}")
     if any(vllm_offload.is_vllm_policy(p) for p in policies) and not vllm_offload.available():
         vllm_offload.simulate([], next(p for p in policies if vllm_offload.is_vllm_policy(p)), 1)  # raises: why
     try:

@@ -23,6 +23,7 @@ Times are `time.time()` seconds, the clock of vLLM's `Request.arrival_time`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -74,10 +75,8 @@ class DualQueueScheduler(Scheduler):
         if ktc is not None:
             extra = dict((getattr(ktc, "kv_connector_extra_config", None) or {}).get("kvtier.scheduler", {}) or {})
         total_blocks = None
-        try:
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
             total_blocks = int(self.kv_cache_config.num_blocks)
-        except (AttributeError, TypeError, ValueError):
-            pass
         return DualQueueConfig.from_keys(extra, gpu_capacity=total_blocks,
                                          kv_bytes_per_token=self._kv_bytes_per_token())
 

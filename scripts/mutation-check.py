@@ -620,7 +620,8 @@ for name, f, old, new, tests in MUTS:
     if only and not any(o in name for o in only):
         continue
     p = os.path.join(ROOT, f)
-    src = open(p).read()
+    with open(p) as fh:
+        src = fh.read()
     if src.count(old) != 1:
         print(f"[STALE] {name}: pattern found {src.count(old)} times (update the snippet: a check that no longer "
               "applies proves nothing)")
@@ -629,7 +630,8 @@ for name, f, old, new, tests in MUTS:
     backup = os.path.join(tempfile.gettempdir(), "kvtier-mutation-backup")
     shutil.copy(p, backup)
     try:
-        open(p, "w").write(src.replace(old, new))
+        with open(p, "w") as fh:
+            fh.write(src.replace(old, new))
         r = subprocess.run(f"timeout 600 .venv/bin/pytest -p no:warnings -q -x {tests}", shell=True, cwd=ROOT,
                            env=env, capture_output=True, text=True)
         last = [line for line in r.stdout.splitlines() if line.strip()][-1:]

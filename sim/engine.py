@@ -466,11 +466,10 @@ class Simulator(TierModel, GpuModel):
 
 def _make_eviction(name: str, clock, capacity: int):
     """The host tier's eviction policy `name` (a production one), given the arguments its constructor takes."""
-    from kvtier.storage_backends.eviction import POLICY_REGISTRY, make_policy
-    from kvtier.storage_backends.eviction.base import _load_all
+    from kvtier.storage_backends.eviction import make_policy
+    from kvtier.storage_backends.eviction.base import policy_class
 
-    _load_all()
-    cls = POLICY_REGISTRY.get(name)
+    cls = policy_class(name)
     kwargs: dict = {"clock": clock}
     if cls is not None:
         params = inspect.signature(cls.__init__).parameters

@@ -3,7 +3,7 @@
 scheduler asked for, one GPU (`kvtier.sim.engine`) or several replicas with a shared tier (`--replicas`,
 `--remote*`: `kvtier.sim.remote`), and prints, writes and plots the results (`kvtier.sim.report`).
 `--kv-transfer-config FILE` runs the scheduler, its knobs, the host tier's eviction policy and size that a vLLM
-`--kv-transfer-config` JSON (or an LMCache YAML) sets (`kvtier.cli.transfer_config`) instead of the flags.
+`--kv-transfer-config` JSON (or an LMCache YAML) sets (`kvtier.replay.transfer_config`) instead of the flags.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     if clash:
         raise SystemExit(f"kvtier simulate: {' and '.join(clash)} contradict --kv-transfer-config {path}: the file "
                          "sets the scheduler, its knobs and the host tier's policy and size; give one or the other")
-    from kvtier.cli.transfer_config import load_transfer_config, unmodelled
+    from kvtier.replay.transfer_config import load_transfer_config, unmodelled
     from kvtier.storage_backends.config import ConfigError
 
     try:

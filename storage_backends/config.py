@@ -10,6 +10,7 @@ The same keys, without the prefix, are the `adapter_params` of the LMCache multi
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -176,8 +177,6 @@ def _build(merged: dict[str, Any], label: Callable[[str], str], where: str, exam
     values = {name: _coerce(_SPECS[name], raw, label(name)) for name, raw in merged.items()}
     values["ssd_path"] = os.path.abspath(os.path.expanduser(values["ssd_path"]))
     if "encryption_key_file" in values:
-        from kvtier.storage_backends.ssd.sealing import load_secret
-
         try:
             import cryptography  # noqa: F401
         except ImportError:
@@ -253,3 +252,33 @@ def parse_adapter_params(params: Mapping[str, Any] | None, where: str = "adapter
         raise ConfigError(f"{where}: keys must be strings, got {bad!r}")
     return _build(dict(params), lambda name: f"{where}.{name}", where,
                   '{"ssd_path": "/var/cache/kvtier", "ssd_capacity_gb": 100}', MP_EXCLUDED_KEYS)
+
+
+#: the least an operator secret (`kvtier.encryption_key_file`) may hold
+_MIN_SECRET = 32
+
+
+def load_secret(path: str, key: str = "kvtier.encryption_key_file") -> bytes:
+    """The operator's secret from `path` (ConfigError naming `key` if the file is unsafe or too short)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot open {path} ({e.strerror}); it must be a regular file (not a link) holding "
+                          f"at least {_MIN_SECRET} random bytes, e.g. `head -c 32 /dev/urandom > FILE; chmod 600 FILE`"
+                          ) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{key}: {path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise ConfigError(f"{key}: {path} is owned by uid {st.st_uid}, not by this user ({os.getuid()})")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"{key}: {path} is readable or writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                              f"chmod 600 {path}")
+        secret = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    if len(secret) < _MIN_SECRET:
+        raise ConfigError(f"{key}: {path} holds {len(secret)} bytes; the secret needs at least {_MIN_SECRET} random "
+                          "bytes (`head -c 32 /dev/urandom > FILE`)")
+    return secret

@@ -12,6 +12,7 @@ Not production code: tests and benchmarks only (mounting needs root; a caller mu
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -123,10 +124,8 @@ def flip_journal_byte(ssd_dir: Path, seed: int) -> JournalFlip:
 
 def kill_group(pid: int) -> None:
     """SIGKILL the whole process group (session) led by `pid`, as a crash or the OOM killer would end it."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def group_pids(pgid: int) -> list[int]:

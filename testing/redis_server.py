@@ -13,6 +13,7 @@ ships (a test dependency of kvtier, so `pip install kvtier[test]` brings a serve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -113,10 +114,8 @@ class RedisServer:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait()
         self.proc = None
 
@@ -125,10 +124,8 @@ class RedisServer:
             return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
 
     @property

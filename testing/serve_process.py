@@ -13,6 +13,7 @@ Settings for a 2-core machine: one unbound OpenMP thread, 1 GiB of vLLM CPU KV s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -124,10 +125,8 @@ class ServeProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
             if sweep:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)  # anything of its session still there
-                except ProcessLookupError:
-                    pass
             if not self._log.closed:
                 self._log.close()
             shutil.rmtree(self.rpc_dir, ignore_errors=True)

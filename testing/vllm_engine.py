@@ -16,6 +16,7 @@ child with its stacks in that log (`watchdog_s`). `close()` always ends the proc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -55,10 +56,8 @@ def tiny_llama(path: str | Path, **config: Any) -> str:
 def end_process_group(proc: subprocess.Popen) -> None:
     """Kill a process started with `start_new_session=True` and everything it started (vLLM's engine core runs in
     a process of its own: killing only the child would leave it running, holding memory and CPU), then reap it."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 

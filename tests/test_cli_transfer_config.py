@@ -1,4 +1,4 @@
-"""`--kv-transfer-config FILE` of `kvtier simulate` and `kvtier replay` (`kvtier.cli.transfer_config`): the offline
+"""`--kv-transfer-config FILE` of `kvtier simulate` and `kvtier replay` (`kvtier.replay.transfer_config`): the offline
 tools run exactly the scheduler and eviction keys a shipped vLLM configuration sets, refuse flags that contradict
 it, name a wrong key, and say which keys they cannot model."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main as cli_main
-from kvtier.cli.transfer_config import load_transfer_config, scheduler_name
+from kvtier.replay.transfer_config import load_transfer_config, scheduler_name
 from kvtier.scheduler_hooks.dual_queue_config import DualQueueConfig
 from kvtier.scheduler_hooks.dual_queue_policy import make_scheduling_policy
 from kvtier.storage_backends.config import ConfigError

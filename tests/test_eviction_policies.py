@@ -165,6 +165,29 @@ def test_next_use_positions():
 # ------------------------------------------------------------------ registry and contract
 
 
+def test_the_lazy_registry_names_every_shipped_policy_and_imports_one_at_a_time():
+    """`POLICY_MODULES` lists every module of the package that registers a policy, each under the name it
+    registers, and `OFFLINE_POLICIES` exactly the ones whose class says they need the future; building one policy
+    imports its module only (a fresh interpreter: belady is not loaded by building lru)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from kvtier.storage_backends.eviction import base
+
+    pkg = pathlib.Path(base.__file__).parent
+    registering = {f"kvtier.storage_backends.eviction.{p.relative_to(pkg).with_suffix('').as_posix().replace('/', '.')}"
+                   for p in pkg.rglob("*.py") if "@register_policy" in p.read_text() and p.name != "base.py"}
+    assert registering == set(base.POLICY_MODULES.values())
+    for name in base.POLICY_MODULES:
+        cls = base.policy_class(name)
+        assert cls.name == name and cls.production == (name not in base.OFFLINE_POLICIES), name
+    code = ("import sys\nfrom kvtier.storage_backends.eviction import make_policy\nmake_policy('lru')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('kvtier.storage_backends.eviction.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "belady" not in out and "adaptive" not in out and ".lru'" in out, out
+
+
 def test_registry():
     for n in ("lru", "fifo", "lfu", "arc", "s3fifo", "belady", "answer-length"):
         assert n in POLICY_REGISTRY and make_policy(n, production=False).name == n

@@ -53,6 +53,22 @@ def test_segment_values_equal_the_slot_headers(n):
     assert segment_crcs(b, 8192, piece=16384, impl="torch") == want  # pieces made to divide the segment
 
 
+def test_the_kernels_segment_rule_and_combine_are_the_slot_formats():
+    """kernels/crc32.py keeps its own `segments` and `combine` (the kernels import no storage module): the same
+    ranges and values as the SSD slot format's."""
+    import zlib
+
+    from kvtier.kernels import crc32
+    from kvtier.storage_backends.ssd import slot_format
+
+    for n in (0, 1, 4095, 4096, 8192, 3 * 8192 + 4100):
+        for seg in (4096, 8192, 1 << 20):
+            assert crc32.segments(n, seg) == slot_format.segments(n, seg)
+    data = bytes(range(256)) * 97
+    parts = [(zlib.crc32(data[lo:hi]), hi - lo) for lo, hi in ((0, 1000), (1000, 1000), (1000, 9000), (9000, 24832))]
+    assert crc32.combine(parts) == slot_format.combine_checksums(parts) == zlib.crc32(data)
+
+
 def test_a_flipped_byte_changes_its_piece_only():
     b = _bytes(4 * 1024, 3)
     before = piece_crcs(b, 1024, impl="torch")

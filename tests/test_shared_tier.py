@@ -12,14 +12,10 @@ import torch
 pytest.importorskip("redis")
 
 from kvtier.storage_backends.config import ConfigError  # noqa: E402
-from kvtier.storage_backends.shared import tier as shared_tier  # noqa: E402
+from kvtier.storage_backends.lmcache import backend_order as order_module  # noqa: E402
+from kvtier.storage_backends.lmcache.backend_order import LocalFirstOrder, arrange_local_first  # noqa: E402
 from kvtier.storage_backends.shared.config import SharedTierOptions  # noqa: E402
-from kvtier.storage_backends.shared.tier import (  # noqa: E402
-    LocalFirstOrder,
-    arrange_local_first,
-    attach_shared_tier,
-    detach_remote_backends,
-)
+from kvtier.storage_backends.shared.tier import attach_shared_tier, detach_remote_backends  # noqa: E402
 
 pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
 
@@ -291,7 +287,7 @@ def test_a_plugin_that_cannot_find_its_engine_says_so_once_and_arrange_local_fir
     """An engine LMCache's builder did not make: the plugin cannot reach its StorageManager. It says so once, as a
     WARNING naming the fix (never a silent fallback), and `arrange_local_first(engine)` is that fix."""
     monkeypatch.setattr(LocalFirstOrder, "start", lambda self, loop: None)
-    monkeypatch.setattr(shared_tier, "owning_storage_manager", lambda backend: None)
+    monkeypatch.setattr(order_module, "owning_storage_manager", lambda backend: None)
     e = engines()
     tokens = torch.arange(16 * CHUNK)
     kv = kv_for(len(tokens), seed=4)

@@ -93,32 +93,44 @@ def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
     return cls
 
 
+#: the policies kvtier ships: name -> the module that registers it, imported on first use of that name only
+_PKG = "kvtier.storage_backends.eviction"
+POLICY_MODULES: dict[str, str] = {
+    "lru": f"{_PKG}.lru", "fifo": f"{_PKG}.fifo", "lfu": f"{_PKG}.lfu", "arc": f"{_PKG}.arc",
+    "s3fifo": f"{_PKG}.s3fifo", "adaptive": f"{_PKG}.adaptive", "answer-length": f"{_PKG}.answer_length.policy",
+    "belady": f"{_PKG}.belady",
+}
+#: shipped policies that need the future: offline replays only (their classes say `production = False`)
+OFFLINE_POLICIES = frozenset({"belady"})
+
+
+def policy_class(name: str) -> type[EvictionPolicy] | None:
+    """The class registered as `name` (importing its module if it is a shipped policy not loaded yet), or None."""
+    cls = POLICY_REGISTRY.get(name)
+    if cls is None and name in POLICY_MODULES:
+        import importlib
+
+        importlib.import_module(POLICY_MODULES[name])
+        cls = POLICY_REGISTRY.get(name)
+    return cls
+
+
+def policy_names() -> list[str]:
+    """Every policy name: the shipped ones and any registered from outside."""
+    return sorted(set(POLICY_MODULES) | set(POLICY_REGISTRY))
+
+
 def production_policy_names() -> list[str]:
-    _load_all()
-    return sorted(n for n, c in POLICY_REGISTRY.items() if c.production)
+    """The names a production tier accepts (without importing the shipped policies' modules)."""
+    return sorted(n for n in policy_names()
+                  if (n not in OFFLINE_POLICIES if n in POLICY_MODULES else POLICY_REGISTRY[n].production))
 
 
 def make_policy(name: str, *, production: bool = True, **kwargs) -> EvictionPolicy:
     """Build the policy registered as `name`; `production=True` refuses offline-only policies."""
-    _load_all()
-    try:
-        cls = POLICY_REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; choose one of {sorted(POLICY_REGISTRY)}"
-        ) from None
+    cls = policy_class(name)
+    if cls is None:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {policy_names()}")
     if production and not cls.production:
         raise ValueError(f"eviction policy {name!r} needs the future and only runs in offline replays")
     return cls(**kwargs)
-
-
-def _load_all() -> None:
-    """Import every policy module in this package so that its @register_policy runs."""
-    import importlib
-    import pkgutil
-
-    import kvtier.storage_backends.eviction as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name not in ("base",):
-            importlib.import_module(f"{pkg.__name__}.{mod.name}")

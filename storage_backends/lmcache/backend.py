@@ -11,7 +11,7 @@ LMCache contracts honoured here (see LMCache 0.5.6 `StoragePluginInterface` and 
   LMCache 0.5.x's own in-process keys do not carry a request's cache salt or LoRA adapter: outside kvtier's
   connector (which adds them) the plugin says so at start.
 - LMCache asks its remote backends (`remote_url`, `remote_storage_plugins`) before storage plugins; the plugin moves
-  itself ahead of them once its engine is built (`shared.tier.LocalFirstOrder`), so the SSD tier is read before the
+  itself ahead of them once its engine is built (`backend_order.LocalFirstOrder`), so the SSD tier is read before the
   network.
 """
 
@@ -41,7 +41,7 @@ from kvtier.storage_backends.shared.config import remote_configured
 from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
 
 if TYPE_CHECKING:
-    from kvtier.storage_backends.shared.tier import LocalFirstOrder
+    from kvtier.storage_backends.lmcache.backend_order import LocalFirstOrder
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class KVTierBackend(StoragePluginInterface):
         # (under kvtier's connector the namespace is the connector's own fingerprint: one name in every log line)
         _end_writes_before_pool_closes(local_cpu_backend, self.tier)
         if remote_configured(config):
-            from kvtier.storage_backends.shared.tier import LocalFirstOrder  # its metrics only where a store is
+            from kvtier.storage_backends.lmcache.backend_order import LocalFirstOrder  # only where a store is
 
             self.local_first = LocalFirstOrder(self)
             if loop is not None:

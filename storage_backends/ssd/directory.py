@@ -9,6 +9,7 @@ share one directory.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -109,10 +110,8 @@ def write_small_file(path: str, data: bytes) -> None:
     from kvtier.storage_backends.ssd.posix_io import fsync_dir
 
     tmp = path + ".tmp"
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
-    except FileNotFoundError:
-        pass
     fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         os.write(fd, data)

@@ -33,7 +33,8 @@ class EpisodeLog:
             self._active[kind] = n + 1
             self._last[kind] = self._clock()
         if n == 0:
-            self._logger.log(level, msg + " (further occurrences are counted, not logged, until this clears)", *args)
+            self._logger.log(level, "%s (further occurrences are counted, not logged, until this clears)",
+                             msg % args if args else msg)
 
     def cleared(self, kind: str, msg: str, *args) -> None:
         """An operation of `kind` succeeded; ends the episode under way (logging `msg` once) if its last
@@ -43,7 +44,7 @@ class EpisodeLog:
             if not n or self._clock() - self._last.get(kind, 0.0) < SETTLE_S:
                 return
             del self._active[kind]
-        self._logger.info(msg + " (%d occurrences)", *args, n)
+        self._logger.info("%s (%d occurrences)", msg % args if args else msg, n)
 
     def active(self, kind: str) -> bool:
         with self._lock:

@@ -16,6 +16,7 @@ about 180), so about 5 MB plus 2 KiB per slot, never less than MIN_RESERVE_BYTES
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -82,10 +83,8 @@ class Journal:
     def compact(self, live: list[JournalRecord]) -> None:
         """Replace the journal by `live` atomically. Raises OSError; the old journal then stays as it was."""
         tmp = self.path + ".tmp"
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)  # a leftover (or a planted link: unlink never follows it)
-        except FileNotFoundError:
-            pass
         fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             data = b"".join(encode_record(r) for r in live)

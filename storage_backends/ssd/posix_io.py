@@ -7,6 +7,7 @@ All calls release the GIL inside the kernel, so a thread pool gives real paralle
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -74,10 +75,8 @@ def probe_o_direct(directory: str) -> str | None:
     full disk and no file of at least ALIGN bytes to read, naming ENOSPC or EDQUOT); raises OSError when the file
     system refuses O_DIRECT (EINVAL)."""
     probe = os.path.join(directory, ".o_direct_probe")
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(probe)
-    except FileNotFoundError:
-        pass
     try:
         fd = open_nofollow(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT)
     except OSError as e:

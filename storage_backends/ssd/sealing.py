@@ -20,46 +20,17 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
-import stat
 import threading
 
-from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.ssd.index import ChunkMeta
 from kvtier.storage_backends.ssd.posix_io import aligned_buffer
 
-__all__ = ["ChunkSealer", "load_secret"]
+__all__ = ["ChunkSealer"]
 
 SEALED = "sealed"
 _TAG = 16
 _NONCE = 12
-_MIN_SECRET = 32
 _KEYS_KEPT = 4096
-
-
-def load_secret(path: str, key: str = "kvtier.encryption_key_file") -> bytes:
-    """The operator's secret from `path` (ConfigError naming `key` if the file is unsafe or too short)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        raise ConfigError(f"{key}: cannot open {path} ({e.strerror}); it must be a regular file (not a link) holding "
-                          f"at least {_MIN_SECRET} random bytes, e.g. `head -c 32 /dev/urandom > FILE; chmod 600 FILE`"
-                          ) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{key}: {path} is not a regular file")
-        if st.st_uid != os.getuid():
-            raise ConfigError(f"{key}: {path} is owned by uid {st.st_uid}, not by this user ({os.getuid()})")
-        if st.st_mode & 0o077:
-            raise ConfigError(f"{key}: {path} is readable or writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
-                              f"chmod 600 {path}")
-        secret = os.read(fd, 1 << 16)
-    finally:
-        os.close(fd)
-    if len(secret) < _MIN_SECRET:
-        raise ConfigError(f"{key}: {path} holds {len(secret)} bytes; the secret needs at least {_MIN_SECRET} random "
-                          "bytes (`head -c 32 /dev/urandom > FILE`)")
-    return secret
 
 
 class ChunkSealer:

@@ -36,13 +36,13 @@ from typing import Any
 from kvtier.identity.namespace import KeyNamespace, namespace_of
 from kvtier.identity.request import digest, tenant_of_key
 from kvtier.storage_backends import metrics as M
-from kvtier.storage_backends.config import ConfigError, KVTierConfig
+from kvtier.storage_backends.config import ConfigError, KVTierConfig, load_secret
 from kvtier.storage_backends.eviction import EvictionPolicy, make_policy
 from kvtier.storage_backends.ssd import journal
 from kvtier.storage_backends.ssd.directory import DirectoryInUse, lock_directory, prepare_directory
 from kvtier.storage_backends.ssd.index import ChunkMeta, Entry, Reservation, SlotIndex, TierStats
 from kvtier.storage_backends.ssd.posix_io import align_up, bytes_view, probe_o_direct
-from kvtier.storage_backends.ssd.sealing import ChunkSealer, load_secret
+from kvtier.storage_backends.ssd.sealing import ChunkSealer
 from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE, CommitRecord, header_fits
 from kvtier.storage_backends.ssd.slot_io import SlotIO, SlotRead, SlotWrite
 from kvtier.storage_backends.ssd.write_queue import PutTask, Submitted, WriteQueue

@@ -104,10 +104,7 @@ class ScoreTables:
                 o = occ.item(cls, e)
         if H > 0.0:
             H = self._hit_chance(u, H)
-        if occ is not None:
-            score = H / o if o > 0.0 else 0.0
-        else:
-            score = H
+        score = H if occ is None else (H / o if o > 0.0 else 0.0)
         if u.__class__ is KeyUnit:
             size = u.size
         else:

@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvtier.cli.check_config import CONNECTOR_MODULE, CONNECTOR_NAME
+from kvtier.connector.plugin import MODULE as CONNECTOR_MODULE
+from kvtier.connector.plugin import NAME as CONNECTOR_NAME
 from kvtier.scheduler_hooks.dual_queue_policy import (
     DUAL_QUEUE_MODIFIERS,
     DualQueueConfig,
@@ -133,12 +134,12 @@ def scheduler_name(cfg: DualQueueConfig) -> str:
     missing = [m for m in DUAL_QUEUE_MODIFIERS if m not in _MODIFIERS]
     if missing:
         raise RuntimeError(f"dual-queue modifier(s) {', '.join(missing)} have no config switch here; add them to "
-                           "kvtier.cli.transfer_config._MODIFIERS")
+                           "kvtier.replay.transfer_config._MODIFIERS")
     name = "+".join(["dual-queue", *(m for m in DUAL_QUEUE_MODIFIERS if _MODIFIERS[m](cfg))])
     built = make_scheduling_policy(name, cfg)
     expected = replace(cfg, delay_hit_own_loads=cfg.delay_hit and cfg.delay_hit_own_loads)
     if not isinstance(built, DualQueuePolicy) or built.config != expected:
-        raise RuntimeError(f"scheduler {name!r} does not run the configured knobs; kvtier.cli.transfer_config's "
+        raise RuntimeError(f"scheduler {name!r} does not run the configured knobs; kvtier.replay.transfer_config's "
                            "name mapping is out of date with make_scheduling_policy")
     return name
 
