@@ -71,7 +71,7 @@ fi
     if [ -n "$overrides" ]; then
       # The vLLM wheel pins a release this package index lacks (compat/matrix.toml `overrides`, a workaround of
       # the index, not of the combination): vLLM alone without its dependencies, then its own requirements with
-      # the overridden names swapped, then the rest. `pip check` names the swap afterwards.
+      # the overridden names swapped, then the rest (pip then reports the swap as a conflict, and this says so).
       vllm_pin=$(grep -E "^$vllm_dist==" "$env_dir/requirements.txt")
       "$env_dir/bin/python" -m pip install -q --no-deps "$vllm_pin" 2> >(grep -v "is ignored: it is neither" >&2)
       "$env_dir/bin/python" - "$vllm_dist" $overrides > "$env_dir/vllm-requirements.txt" <<'PYEOF'
