@@ -111,6 +111,7 @@ def _evaluate_vllm_tier(inst: InstalledVersions) -> VersionCheck:
     """vLLM's offloading path calls into vLLM only: any tested row of this vLLM release decides, with or without
     LMCache beside it."""
     component = COMPONENT_VLLM_TIER
+    assert inst.build is not None and inst.vllm is not None, "evaluate() answers for a missing vLLM first"
     vllm = f"{matrix.VLLM_DIST[inst.build]} {inst.vllm}"
     rows = [c for c in matrix.load()
             if c.build == inst.build and matrix.version_tuple(c.vllm) == matrix.version_tuple(inst.vllm)]
@@ -132,7 +133,7 @@ def evaluate(component: str, installed: InstalledVersions | None = None) -> Vers
         return _evaluate_vllm_tier(inst)
     if inst.lmcache is None:
         return VersionCheck(component, Verdict.BROKEN, inst, None, None, missing_lmcache_message(component))
-    if component in _NEEDS_VLLM:
+    if component in _NEEDS_VLLM and inst.build is not None and inst.vllm is not None:  # (both: checked above)
         row = matrix.find(inst.build, inst.vllm, inst.lmcache)
         if row is not None and row.tested:
             return VersionCheck(component, Verdict.TESTED, inst, row, None, f"{inst.describe()} is tested")

@@ -201,20 +201,28 @@ def link_name(c: Combination, combos: Sequence[Combination] | None = None) -> st
 
 
 # ---------------------------------------------------------------------------------------------------- scripts
+def _dist_name(requirement: str) -> str:
+    """The distribution name a requirement line starts with, lower-cased."""
+    m = re.match(r"[A-Za-z0-9_.-]+", requirement)
+    if m is None:
+        raise ValueError(f"not a requirement: {requirement!r}")
+    return m.group(0).lower()
+
+
 def _requirements(c: Combination, pyproject: str) -> list[str]:
     """pyproject's dependencies and the build's extras, with vLLM, LMCache and torch pinned to `c`."""
     with open(pyproject, "rb") as f:
         proj = tomllib.load(f)["project"]
-    extras = ("cpu", "test") if c.build == "cpu" else ("cuda", "test")
+    extras: tuple[str, ...] = ("cpu", "test") if c.build == "cpu" else ("cuda", "test")
     if c.lmcache:
         extras += ("lmcache",)
     reqs: Iterable[str] = list(proj["dependencies"])
     for e in extras:
         reqs = [*reqs, *proj["optional-dependencies"][e]]
-    pinned = {re.match(r"[A-Za-z0-9_.-]+", p).group(0).lower(): p for p in c.pins()}
+    pinned = {_dist_name(p): p for p in c.pins()}
     out, seen = [], set()
     for r in reqs:
-        name = re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower()
+        name = _dist_name(r)
         if name in seen:
             continue
         seen.add(name)

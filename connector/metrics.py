@@ -103,7 +103,8 @@ class KVTierConnectorStats(KVConnectorStats):
         return self
 
     def reset(self) -> None:
-        self.data = {k: 0 for k in _SUM_KEYS}
+        fresh: dict[str, Any] = dict.fromkeys(_SUM_KEYS, 0)
+        self.data = fresh
 
     def aggregate(self, other: KVConnectorStats) -> KVTierConnectorStats:
         for k, v in (other.data or {}).items():

@@ -119,7 +119,7 @@ def _tables_on(dev: torch.device, block: int) -> tuple[torch.Tensor, torch.Tenso
     key = (dev, block)
     if key not in _device_tables:
         row, lanes = advance_tables(block)
-        _device_tables[key] = tuple(torch.from_numpy(t.view(np.int32)).to(dev)  # type: ignore[assignment]
+        _device_tables[key] = tuple(torch.from_numpy(t.view(np.int32)).to(dev)
                                     for t in (row, lanes, power_tables().reshape(-1)))
     return _device_tables[key]
 

@@ -242,7 +242,7 @@ def describe_kv_caches(
         head_dim=d,
         dtype=first.dtype,
         device=first.device,
-        strides=tuple(v0.stride()),  # type: ignore[arg-type]
+        strides=tuple(v0.stride()),
     )
     return layout, views
 

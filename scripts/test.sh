@@ -6,7 +6,8 @@
 #        --matrix full      every tested row (release check); environments of non-default rows are removed after
 #                           their run unless --keep-envs (or KVTIER_KEEP_ENVS=1)
 #        --matrix none      step 1 only
-#   0. (first) `ruff check .` (pyproject.toml's settings) from a small cached environment
+#   0. (first) `ruff check .` (pyproject.toml's settings) from a small cached environment, then mypy over the
+#      production packages (pyproject.toml's [tool.mypy] lists them) from another
 #   3. the compatibility table: per-test reports in out/compat/, folded into compat/results.json and the table of
 #      docs/compatibility.md by compat/table.py
 # Prints one "N passed, N failed, N skipped" line at the end (CI reads it). Other arguments go to the main run's
@@ -75,6 +76,30 @@ PYEOF
 rcs[lint]=$lint_rc
 
 main=$(scripts/env.sh main) || { echo "environment 'main' failed to build" >&2; exit 1; }
+
+# 0b. types: mypy over the production packages (pyproject.toml's [tool.mypy]: strict where the contracts live),
+# from its own small cached environment keyed by its pins; third-party packages without them are untyped (Any)
+MYPY_PINS="mypy==2.4.1 msgspec==0.23.0 numpy==2.2.6 prometheus_client==0.24.1"
+type_env="${KVTIER_ENV_CACHE:-$HOME/.cache/kvtier/envs}/mypy-$(echo "$MYPY_PINS" | sha256sum | cut -c1-12)"
+if [ ! -x "$type_env/bin/mypy" ]; then
+  rm -rf "$type_env"
+  python3 -m venv "$type_env" && "$type_env/bin/python" -m pip install -q $MYPY_PINS \
+    2> >(grep -v "is ignored: it is neither" >&2) || echo "the mypy environment failed to build" >&2
+fi
+echo "== types: mypy over the production packages"
+( cd .kvtier-import && "$type_env/bin/mypy" --config-file ../pyproject.toml --cache-dir "$out/mypy-cache" ) \
+  > "$out/types.txt" 2>&1
+types_rc=$?
+cat "$out/types.txt"
+python3 - "$types_rc" "$out/types.txt" "$out/types.xml" <<'PYEOF'
+import sys
+from xml.sax.saxutils import escape
+rc, text, xml = int(sys.argv[1]), open(sys.argv[2]).read(), sys.argv[3]
+fail = "" if rc == 0 else f'<failure message="mypy found problems">{escape(text)}</failure>'
+open(xml, "w").write(f'<testsuite name="types" tests="1" failures="{int(rc != 0)}" errors="0" skipped="0">'
+                     f'<testcase classname="types" name="mypy">{fail}</testcase></testsuite>')
+PYEOF
+rcs[types]=$types_rc
 # The other combinations' environments build in the background while the main suite runs (a fresh machine
 # downloads ~25 GB; that is I/O the suite does not wait for). A failed build is retried, and reported, below.
 others=$(for id in $ids; do [ "$id" = "$main_id" ] || echo "$id"; done)

@@ -31,6 +31,7 @@ class Series:
     """One kvtier metric: `prom` is the prometheus_client object; updates also go to the change set."""
 
     kind = ""
+    family: str
 
     def __init__(self, prom: MetricWrapperBase, name: str, doc: str, labelnames: Sequence[str] = (),
                  labelvalues: tuple[str, ...] = (), parent: Series | None = None) -> None:
@@ -53,6 +54,7 @@ class Series:
 
 class CounterSeries(Series):
     kind = "counter"
+    prom: Counter
 
     def inc(self, amount: float = 1.0) -> None:
         self.prom.inc(amount)
@@ -62,6 +64,7 @@ class CounterSeries(Series):
 
 class GaugeSeries(Series):
     kind = "gauge"
+    prom: Gauge
 
     def set(self, value: float) -> None:
         self.prom.set(value)
@@ -71,6 +74,8 @@ class GaugeSeries(Series):
 
 class HistogramSeries(Series):
     kind = "histogram"
+    prom: Histogram
+    bounds: list[float]
 
     def __init__(self, prom: MetricWrapperBase, name: str, doc: str, labelnames: Sequence[str] = (),
                  labelvalues: tuple[str, ...] = (), parent: Series | None = None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
 
 Key = Hashable
 
@@ -126,7 +127,7 @@ def production_policy_names() -> list[str]:
                   if (n not in OFFLINE_POLICIES if n in POLICY_MODULES else POLICY_REGISTRY[n].production))
 
 
-def make_policy(name: str, *, production: bool = True, **kwargs) -> EvictionPolicy:
+def make_policy(name: str, *, production: bool = True, **kwargs: Any) -> EvictionPolicy:
     """Build the policy registered as `name`; `production=True` refuses offline-only policies."""
     cls = policy_class(name)
     if cls is None:

@@ -185,7 +185,8 @@ class ReuseModel:
             prior[sel] = pr
         with np.errstate(divide="ignore", invalid="ignore"):
             shrunk = np.where(ar + a > 0, (ev + a * prior) / (ar + a), prior)
-        out = np.where(ar.any(axis=1)[:, None], shrunk, prior)  # no data at all: the family's row
+        seen = np.asarray(ar.any(axis=1))
+        out = np.where(seen[:, None], shrunk, prior)  # no data at all: the family's row
         self._cap_counts()
         return out
 

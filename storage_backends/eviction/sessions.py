@@ -16,6 +16,10 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.storage_backends.eviction.reuse_model import Item
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +47,13 @@ class Session:
         self.new_blocks = 0  #: keys the latest turn added to the chain (the user's new input, roughly)
         self.prev_gap: float | None = None  #: seconds between the two latest turns (None after a first turn)
         # Set by the eviction policy:
-        self.item = None  #: the reuse-model item waiting for the next turn
+        self.item: Item | None = None  #: the reuse-model item waiting for the next turn
         self.cls = -1  #: row of the policy's score tables (its class, timed once the answer is known)
         self.lb = 0  #: reuse-time bucket the next turn cannot come before (answer-length lower bound)
         self.ver = 0  #: bumped whenever the policy re-scores the session (stale heap entries are skipped)
         self.filed = False  #: has a live entry in the policy's eviction heap
         self.nbytes = 0  #: total size of the resident history chunks (kept by the policy)
-        self.entry = None  #: its latest heap entry, with when it stops being current (the policy's)
+        self.entry: tuple | None = None  #: its latest heap entry, with when it stops being current (the policy's)
         self.until = 0.0
         self.epoch = -1
 

@@ -118,7 +118,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterAfterImport)]
                     register_host_policies()
 
-                loader.exec_module = exec_module  # type: ignore[method-assign]
+                loader.exec_module = exec_module  # type: ignore[method-assign,unused-ignore]
                 return spec
         return None
 

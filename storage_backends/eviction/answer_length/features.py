@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.storage_backends.eviction.base import Key
 from kvtier.storage_backends.eviction.sessions import Session
+
+if TYPE_CHECKING:
+    from kvtier.storage_backends.eviction.reuse_model import Item
 
 DEPTH_EDGES = (2, 3, 5, 9)  # turns: 1, 2, 3-4, 5-8, 9+
 NEW_EDGES = (2, 5, 17)  # chunks the turn added: 1, 2-4, 5-16, 17+
@@ -35,7 +39,7 @@ class KeyUnit:
         self.size = size
         self.kind = kind
         self.last_time = now
-        self.item = None
+        self.item: Item | None = None
         self.count = 1
         self.cls = -1
         self.seq = -1
@@ -43,6 +47,6 @@ class KeyUnit:
         self.lb = 0
         self.ver = 0
         self.filed = False
-        self.entry = None
+        self.entry: tuple | None = None
         self.until = 0.0
         self.epoch = -1

@@ -6,10 +6,11 @@ capacity) and the sampled accesses it records; each Belady rerun gives the h(b) 
 
 from __future__ import annotations
 
+from kvtier.storage_backends.eviction.answer_length.state import PolicyState
 from kvtier.storage_backends.eviction.base import Key
 
 
-class GhostLearning:
+class GhostLearning(PolicyState):
     """The ghost's sampling and its sampled accesses (a mixin of the policy)."""
 
     def _observe(self, key: Key, now: float) -> None:

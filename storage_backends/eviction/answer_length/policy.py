@@ -155,7 +155,7 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
         s, follow_up = self.sessions.begin(chain, now)
         if follow_up:
             self.reuse.returned(s.item, now)
-            if s.item is not None and getattr(s.item, "answer", None) is not None:
+            if s.item is not None and s.item.answer is not None:
                 hist = self._lb_hist[s.item.answer]
                 hist[min(self.buckets.index(now - s.item.start), len(hist) - 1)] += 1
         s.lb = 0
@@ -243,12 +243,12 @@ class AnswerLengthPolicy(ScoreTables, GhostLearning, EvictionPolicy):
         if self._used > self._hwm:
             self._hwm = self._used
         if ctx is not None and not ctx[1]:
-            u: Session | KeyUnit = ctx[0]
-            u.keys[key] = size
-            u.nbytes += size
-            keys[key] = u
-            if not u.filed and u.cls >= 0:
-                self._refile(u, now)
+            sess = ctx[0]
+            sess.keys[key] = size
+            sess.nbytes += size
+            keys[key] = sess
+            if not sess.filed and sess.cls >= 0:
+                self._refile(sess, now)
         else:
             if ctx is not None:
                 u = KeyUnit(key, size, TAIL, now, owner=ctx[0])

@@ -20,10 +20,11 @@ from kvtier.storage_backends.eviction.answer_length.features import (
     KeyUnit,
     bucket_of,
 )
+from kvtier.storage_backends.eviction.answer_length.state import PolicyState
 from kvtier.storage_backends.eviction.sessions import Session
 
 
-class ScoreTables:
+class ScoreTables(PolicyState):
     """Table rows, score tables and the score heap (a mixin of the policy)."""
 
     # ------------------------------------------------------------------ classes and tables
@@ -105,7 +106,8 @@ class ScoreTables:
         if H > 0.0:
             H = self._hit_chance(u, H)
         score = H if occ is None else (H / o if o > 0.0 else 0.0)
-        if u.__class__ is KeyUnit:
+        size: float
+        if isinstance(u, KeyUnit):
             size = u.size
         else:
             n = len(u.keys)
