@@ -163,3 +163,13 @@ def test_the_checker_sees_lazy_relative_and_type_checking_imports(tmp_path):
     assert violations(mods, edges) == {  # `from package import module` imports both
         (tier, "kvtier.testing"), (tier, "kvtier.testing.fakes"),
         (crc, "kvtier.storage_backends.ssd"), (crc, tier)}
+
+
+def test_the_type_check_covers_every_production_package():
+    """scripts/test.sh runs mypy over pyproject's `[tool.mypy] packages`: exactly the production packages that hold
+    Python modules (a new production package is type-checked from its first commit)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]["packages"])
+    with_code = {f"kvtier.{p}" for p in _PRODUCTION if any(package(m) == p for m in modules())}
+    assert listed == with_code
