@@ -24,7 +24,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from kvtier.testing.lmcache_yaml import write_lmcache_yaml
+from kvtier.launch.lmcache_yaml import write_lmcache_yaml
 from kvtier.testing.vllm_engine import EngineProcess, tiny_llama
 
 #: a somewhat larger random Llama than the tests' (4 layers of 256): the engine step has work to hide saves behind

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, build
+from kvtier.launch.demo_model import KV_BYTES_PER_TOKEN, build
 from kvtier.testing.serve_process import ServeProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def weights_stage(work: Path, model: Path, kv: str, old_answer: str) -> None:
 
 
 def mp_stage(work: Path, model: Path) -> None:
-    from kvtier.testing.lmcache_mp import MPServer, kvtier_adapter_spec
+    from kvtier.launch.lmcache_server import MPServer, kvtier_adapter_spec
     from kvtier.testing.vllm_engine import EngineProcess, tiny_llama
 
     tiny = Path(tiny_llama(work / "tiny"))

@@ -66,7 +66,7 @@ def fs_type(path: str) -> str:
 
 def adapter_specs(root: str, cap_gb: float, kvtier_params: dict | None = None,
                   prepared: bool = False) -> dict[str, dict]:
-    from kvtier.testing.lmcache_mp import kvtier_adapter_spec
+    from kvtier.launch.lmcache_server import kvtier_adapter_spec
 
     mine = {KVTIER: kvtier_adapter_spec(os.path.join(root, "kvtier"), cap_gb, **(kvtier_params or {}))}
     if prepared:  # one warm-up chunk opens its tier; timing starts once its slot files are prepared (untimed)

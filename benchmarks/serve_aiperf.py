@@ -41,7 +41,7 @@ from typing import Any
 
 from kvtier.cli.demo_vllm_report import quantile
 from kvtier.demo_data import path as data_path
-from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, build
+from kvtier.launch.demo_model import KV_BYTES_PER_TOKEN, build
 from kvtier.testing.serve_process import ServeProcess, free_port
 
 TRACE_BLOCK = 512  # tokens per Mooncake hash id

@@ -43,16 +43,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvtier.configs import path as config_path
+    from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
+    from kvtier.launch.redis_server import RedisServer
+    from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
     from kvtier.storage_backends.shared.config import SharedTierOptions
     from kvtier.storage_backends.shared.tier import attach_shared_tier
-    from kvtier.testing.engine_factory import (
-        ModelShape,
-        build_engine,
-        destroy_engine,
-        kvtier_backend,
-        load_lmcache_config,
-    )
-    from kvtier.testing.redis_server import RedisServer
 
     shape = ModelShape("bench/llama-like", num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     chunk = 256

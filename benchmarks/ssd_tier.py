@@ -57,15 +57,10 @@ else:
 
 import torch  # noqa: E402
 
+from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
+from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
 from kvtier.storage_backends.ssd.posix_io import open_file, pread_full, pwrite_full  # noqa: E402
 from kvtier.storage_backends.ssd.slot_format import checksum  # noqa: E402
-from kvtier.testing.engine_factory import (  # noqa: E402
-    ModelShape,
-    build_engine,
-    destroy_engine,
-    kvtier_backend,
-    load_lmcache_config,
-)
 from kvtier.testing.host_memory import anon_huge_mib, drop_page_cache, huge_page_buffer  # noqa: E402
 
 LLAMA3_8B = ModelShape("bench/llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

@@ -14,7 +14,7 @@ import logging
 import random
 from dataclasses import dataclass
 
-from kvtier.testing.demo_model import VOCAB
+from kvtier.launch.demo_model import VOCAB
 
 logger = logging.getLogger(__name__)
 

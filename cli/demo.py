@@ -54,7 +54,8 @@ def _chunk_kv(prefix_digest: bytes, shape, chunk: int) -> torch.Tensor:
 def _replay(name: str, yaml_text: str, requests, shape, block_tokens: int, chunk: int) -> RunResult:
     from tqdm import tqdm
 
-    from kvtier.testing.engine_factory import build_engine, destroy_engine, kvtier_backend, load_lmcache_config
+    from kvtier.launch.lmcache_engine import build_engine, destroy_engine
+    from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(yaml_text)
@@ -111,8 +112,8 @@ def _replay(name: str, yaml_text: str, requests, shape, block_tokens: int, chunk
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("lmcache").setLevel(logging.WARNING)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # LMCache logs every host-pool eviction retry
+    from kvtier.launch.lmcache_engine import ModelShape
     from kvtier.replay.traces import input_error, read_mooncake
-    from kvtier.testing.engine_factory import ModelShape
 
     chunk = args.block_tokens
     shape = ModelShape("kvtier-demo/llama-mini", num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)

@@ -3,7 +3,7 @@
 The shipped Mooncake conversations (the same workload as `kvtier demo-vllm`: `conversations.build_workload`) are
 replayed in trace arrival order, one request at a time, request i going to replica i % `--replicas` (a
 round-robin router: a conversation's next turn usually lands on another replica than its previous one). Each
-configuration runs its own replica processes (vLLM's CPU build, the tiny random Llama of `testing/demo_model.py`):
+configuration runs its own replica processes (vLLM's CPU build, the tiny random Llama of `launch/demo_model.py`):
 
 - `none`: vLLM alone (its own prefix cache, a small KV budget as in `demo-vllm`);
 - `local`: kvtier's connector and scheduler hook, host + SSD tiers per replica, nothing shared;
@@ -45,10 +45,10 @@ from kvtier.cli.conversations import Turn, workload_of
 from kvtier.cli.demo_vllm_engine import engine_env
 from kvtier.cli.demo_vllm_report import ratio
 from kvtier.cli.engine_args import add_engine_arguments
-from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, VOCAB
-from kvtier.testing.lmcache_yaml import write_lmcache_yaml
-from kvtier.testing.redis_server import READ_COMMANDS
-from kvtier.testing.vllm_engine import end_process_group
+from kvtier.launch.demo_model import KV_BYTES_PER_TOKEN, VOCAB
+from kvtier.launch.lmcache_yaml import write_lmcache_yaml
+from kvtier.launch.redis_server import READ_COMMANDS
+from kvtier.launch.vllm_process import end_process_group
 
 CONFIGS = ("none", "local", "shared-all", "shared-continuing", "mp-shared")
 DEFAULT_CONFIGS = ("none", "local", "shared-all", "shared-continuing")
@@ -80,13 +80,13 @@ def replica_main(args_path: str) -> None:
     """Body of one replica process: takes one request per stdin line, answers one `KVTIER-RESULT` line each."""
     import faulthandler
 
-    from kvtier.testing.demo_model import build as build_model
+    from kvtier.launch.demo_model import build as build_model
 
     args = json.loads(Path(args_path).read_text())
     faulthandler.dump_traceback_later(args["watchdog_s"], exit=True)
     build_model(args["model"])
     if args.get("lmcache_mp"):  # vLLM's in-process mode with LMCache's MP connector (see the guard's docstring)
-        from kvtier.testing.vllm_engine import guard_llvmlite_for_vllm_kernel_scan
+        from kvtier.launch.vllm_process import guard_llvmlite_for_vllm_kernel_scan
 
         guard_llvmlite_for_vllm_kernel_scan()
     from vllm import LLM, SamplingParams
@@ -253,7 +253,7 @@ def _kv_configs(cfg: str, workdir: Path, opts: argparse.Namespace, host_mb: floa
         shutil.rmtree(ssd, ignore_errors=True)
         if cfg == "mp-shared":
             from kvtier.configs import path as config_path
-            from kvtier.testing.lmcache_mp import MPServer, kvtier_adapter_spec
+            from kvtier.launch.lmcache_server import MPServer, kvtier_adapter_spec
 
             resp = dict(json.loads(Path(config_path("lmcache-mp-l2-redis.json")).read_text()), port=redis.port,
                         num_workers=2)
@@ -433,14 +433,14 @@ def run(args: argparse.Namespace) -> int:
           f"tier {args.ssd_mb:g} MiB; {args.chunk_tokens}-token chunks; shared: one redis-server on "
           f"127.0.0.1:{args.redis_port}; configurations: {', '.join(configs)}")
     sys.stdout.flush()
-    from kvtier.testing.demo_model import build as build_model
+    from kvtier.launch.demo_model import build as build_model
 
     build_model(base["model"])
     redis = None
     runs: list[ConfigRun] = []
     try:
         if any(c.startswith(("shared-", "mp-")) for c in configs):
-            from kvtier.testing.redis_server import RedisServer
+            from kvtier.launch.redis_server import RedisServer
 
             redis = RedisServer(args.redis_port, workdir / "redis").start()
         for cfg in configs:

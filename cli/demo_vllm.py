@@ -41,10 +41,10 @@ from kvtier.cli.conversations import workload_of
 from kvtier.cli.demo_vllm_engine import RunResult, engine_main, run_engine
 from kvtier.cli.demo_vllm_report import LMCACHE_CPU_NOTE, FollowUps, plot, print_spread, report, report_lmcache_mp
 from kvtier.cli.engine_args import add_engine_arguments
+from kvtier.launch.demo_model import KV_BYTES_PER_TOKEN, MODEL
+from kvtier.launch.lmcache_yaml import write_lmcache_yaml
 from kvtier.storage_backends.eviction import production_policy_names
 from kvtier.storage_backends.lmcache.host_policy import lmcache_name
-from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, MODEL
-from kvtier.testing.lmcache_yaml import write_lmcache_yaml
 
 # engine_main: the engine process's entry point, importable from here as before
 __all__ = ["add_arguments", "engine_main", "run"]
@@ -194,7 +194,7 @@ def _free_port() -> int:
 def _run_lmcache_mp(workdir: Path, base_args: dict[str, Any], host_mb: float, args: argparse.Namespace,
                     n_turns: int) -> RunResult:
     """vLLM + LMCache's multiprocess server with LMCache's own `fs` L2 adapter, on the same conversations."""
-    from kvtier.testing.lmcache_mp import MPServer
+    from kvtier.launch.lmcache_server import MPServer
 
     fs_dir = workdir / "lmcache-fs"
     shutil.rmtree(fs_dir, ignore_errors=True)

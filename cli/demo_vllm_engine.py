@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.testing.demo_model import VOCAB
-from kvtier.testing.demo_model import build as build_model
-from kvtier.testing.vllm_engine import end_process_group
+from kvtier.launch.demo_model import VOCAB
+from kvtier.launch.demo_model import build as build_model
+from kvtier.launch.vllm_process import end_process_group
 
 PROGRESS_FD_ENV = "KVTIER_DEMO_PROGRESS_FD"
 

@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                   "without kvtier"),
     "demo-shared": ("kvtier.cli.demo_shared", "replay conversations round-robin over several vLLM replicas: without "
                     "kvtier, kvtier local-only, kvtier + a shared Redis (writes all / continuing)"),
-    "demo-model": ("kvtier.testing.demo_model", "write the tiny demo model (weights + tokenizer) for `vllm serve`"),
+    "demo-model": ("kvtier.launch.demo_model", "write the tiny demo model (weights + tokenizer) for `vllm serve`"),
     "replay": ("kvtier.replay.runner", "replay a request trace against eviction policies"),
     "simulate": ("kvtier.sim.simulate", "discrete-event replay of scheduling policies"),
     "workload": ("kvtier.sim.workloads", "generate a synthetic request trace (shared-prefix agent workload)"),

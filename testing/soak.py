@@ -22,10 +22,10 @@ import urllib.error
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvtier.launch.demo_model import KV_BYTES_PER_TOKEN, build
+from kvtier.launch.lmcache_yaml import write_lmcache_yaml
+from kvtier.launch.redis_server import RedisServer
 from kvtier.testing import faults
-from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN, build
-from kvtier.testing.lmcache_yaml import write_lmcache_yaml
-from kvtier.testing.redis_server import RedisServer
 from kvtier.testing.serve_process import ServeProcess, free_port, http_post
 from kvtier.testing.soak_report import (
     EPISODES,

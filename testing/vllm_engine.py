@@ -16,11 +16,9 @@ child with its stacks in that log (`watchdog_s`). `close()` always ends the proc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +26,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from kvtier.launch.vllm_process import end_process_group, guard_llvmlite_for_vllm_kernel_scan
 
 #: the tests' tiny random Llama (2 layers, 2 KV heads of 32): 512 bytes of fp32 KV per token and layer pair
 TEST_LLAMA = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -51,14 +51,6 @@ def tiny_llama(path: str | Path, **config: Any) -> str:
         subprocess.run([sys.executable, "-m", "kvtier.testing.vllm_engine", "--build-model", path, json.dumps(cfg)],
                        check=True, capture_output=True, timeout=300, env=dict(os.environ, **ENGINE_ENV))
     return path
-
-
-def end_process_group(proc: subprocess.Popen) -> None:
-    """Kill a process started with `start_new_session=True` and everything it started (vLLM's engine core runs in
-    a process of its own: killing only the child would leave it running, holding memory and CPU), then reap it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 class EngineFailed(AssertionError):
@@ -201,35 +193,6 @@ def run_conversations(engine: EngineProcess, conversations: list[list[list[int]]
 
 
 # ------------------------------------------------------------------------------------------------ the child
-def guard_llvmlite_for_vllm_kernel_scan() -> bool:
-    """Let vLLM's in-process mode (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) load LMCache's MP connector on CPU.
-
-    vLLM 0.32's kernel-override scan (`vllm/triton_utils/dispatcher.py::_rebind_kernels`) walks every module's
-    namespace and calls `vars(value)` on each object that answers `hasattr(value, "__dict__")`. LMCache's connector
-    imports numba, and llvmlite's `ffi.lib` (a `__slots__` class whose `__getattr__` turns any name into a C-symbol
-    wrapper) answers `__dict__` with such a wrapper, so the scan dies with `'_lib_fn_wrapper' object has no
-    attribute 'get'` and the worker with it. Here dunder names raise AttributeError (as for any object without
-    them); real symbol names are untouched. Test and demo tooling only: it changes llvmlite in this process.
-    Returns whether the guard is in place (False without llvmlite)."""
-    try:
-        from llvmlite.binding import ffi
-    except ImportError:
-        return False
-    cls = ffi._lib_wrapper
-    original = cls.__getattr__
-    if getattr(original, "_kvtier_guard", False):
-        return True
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return original(self, name)
-
-    __getattr__._kvtier_guard = True
-    cls.__getattr__ = __getattr__
-    return True
-
-
 def _serve(args_path: str) -> None:
     args = json.loads(Path(args_path).read_text())
     if args.get("watchdog_s"):
@@ -283,7 +246,7 @@ def _serve(args_path: str) -> None:
 
 if __name__ == "__main__":  # vLLM's engine core may run in a spawned process: nothing above runs on import
     if sys.argv[1] == "--build-model":
-        from kvtier.testing.demo_model import build
+        from kvtier.launch.demo_model import build
 
         build(sys.argv[2], config=json.loads(sys.argv[3]), tokenizer=False)
     else:

@@ -36,9 +36,9 @@ def tier_config(tmp_path):
 @pytest.fixture
 def lmcache_yaml(tmp_path):
     """Factory: a shipped LMCache YAML (`configs/lmcache-kvtier.yaml`, or `base`) with its SSD path (tmp_path/ssd,
-    or `ssd`), chunk size, host pool and SSD capacity replaced (`kvtier.testing.lmcache_yaml`); keyword arguments
+    or `ssd`), chunk size, host pool and SSD capacity replaced (`kvtier.launch.lmcache_yaml`); keyword arguments
     add `kvtier.<key>` lines, `lmcache_lines` raw lines."""
-    from kvtier.testing.lmcache_yaml import write_lmcache_yaml
+    from kvtier.launch.lmcache_yaml import write_lmcache_yaml
 
     made: list[None] = []
 
@@ -56,11 +56,13 @@ def lmcache_yaml(tmp_path):
 
 @pytest.fixture
 def lmcache_engines():
-    """Factory: a real LMCacheEngine from a YAML path (`kvtier.testing.engine_factory`, the tiny test model unless
+    """Factory: a real LMCacheEngine from a YAML path (`kvtier.launch.lmcache_engine`, the tiny test model unless
     `shape` is given; other keywords go to `post_init`), closed at teardown (remote backends detached first:
     LMCache 0.5.6's own close of a redis:// backend never returns). Skips the test where LMCache is not installed."""
     pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
-    from kvtier.testing.engine_factory import TINY, build_engine, destroy_engine, load_lmcache_config
+    from kvtier.launch.lmcache_engine import build_engine, destroy_engine
+    from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+    from kvtier.testing.engine_factory import TINY
 
     made = []
 

@@ -21,8 +21,8 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from kvtier.connector.ssd_stream import SSDStream  # noqa: E402
 from kvtier.connector.worker_storage import SSDTierHandle  # noqa: E402
 from kvtier.kernels import KVLayoutKind, vllm_cache_shape  # noqa: E402
+from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config  # noqa: E402
 from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector  # noqa: E402
-from kvtier.testing.engine_factory import kvtier_backend, load_lmcache_config  # noqa: E402
 
 L, H, D, BLOCK, PAGE, CHUNK, NBLOCKS = 2, 2, 32, 16, 16, 32, 20
 DTYPE = torch.float32

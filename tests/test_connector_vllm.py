@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.testing.lmcache_yaml import write_lmcache_yaml  # noqa: E402
+from kvtier.launch.lmcache_yaml import write_lmcache_yaml  # noqa: E402
 from kvtier.testing.ssd import flip_a_byte_in_every_slot  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama  # noqa: E402
 

@@ -30,7 +30,7 @@ CHUNK = 64
 
 
 def _run(tmp_path: Path, configs: str, port: int) -> tuple[str, dict]:
-    from kvtier.testing.redis_server import redis_server_binary
+    from kvtier.launch.redis_server import redis_server_binary
 
     try:
         redis_server_binary()

@@ -54,7 +54,7 @@ def test_an_engine_run_leaves_no_process_behind(tmp_path):
     after a start timeout)."""
     import time
 
-    from kvtier.testing.vllm_engine import end_process_group
+    from kvtier.launch.vllm_process import end_process_group
 
     pid_file = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time\n"

@@ -24,7 +24,8 @@ import torch
 
 pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
 
-from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, kvtier_backend, load_lmcache_config
+from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
+from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
 
 CHUNK = 16
 SHAPE = ModelShape("kvtier-test/pool", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

@@ -315,7 +315,8 @@ def _configs(tag: str):
 def test_lmcache_keys_with_identity_tags_keep_tenants_apart_in_host_and_ssd(lmcache_yaml, lmcache_engines):
     """The connector's keys (LMCache's keys of the key tokens, the identity tag as a key tag) through a real engine
     with kvtier's plugin: stored for tenant A, found for A alone, from the host tier and from SSD, bit-exact."""
-    from kvtier.testing.engine_factory import TINY, kvtier_backend, random_kv
+    from kvtier.storage_backends.lmcache.backend import kvtier_backend
+    from kvtier.testing.engine_factory import TINY, random_kv
 
     e = lmcache_engines(lmcache_yaml())
     b = kvtier_backend(e)
@@ -345,7 +346,8 @@ def test_plugin_weights_rewritten_in_place_are_misses_and_a_restart_keeps_them(l
                                                                                 tmp_path, caplog):
     """vLLM's `LMCacheConnectorV1` path: LMCache names the model by its path. The plugin binds the weights'
     content into the tier's namespace: the same files after a restart hit, new files at the same path miss."""
-    from kvtier.testing.engine_factory import TINY, kvtier_backend, random_kv
+    from kvtier.storage_backends.lmcache.backend import kvtier_backend
+    from kvtier.testing.engine_factory import TINY, random_kv
 
     model = write_model(tmp_path / "model", seed=0)
     shape = replace(TINY, name=str(model))
@@ -362,7 +364,7 @@ def test_plugin_weights_rewritten_in_place_are_misses_and_a_restart_keeps_them(l
     e, b = run(0)
     e.store(tokens, kvcaches=kv)
     assert b.flush(30) and b.tier.stats.committed == 3
-    from kvtier.testing.engine_factory import destroy_engine
+    from kvtier.launch.lmcache_engine import destroy_engine
 
     destroy_engine(e)
     e, b = run(48)  # restarted, same weights: served from SSD

@@ -21,34 +21,22 @@ REPO = Path(__file__).resolve().parent.parent
 NOT_PACKAGES = {"tests", "benchmarks", "scripts", "out", "docs"}
 MAX_LINES = 600
 _BASE = {"identity", "telemetry", "compat", "kernels"}
-_PRODUCTION = _BASE | {"storage_backends", "scheduler_hooks", "connector", "configs", "demo_data"}
+_PRODUCTION = _BASE | {"storage_backends", "scheduler_hooks", "connector", "configs", "demo_data", "launch"}
 #: package -> the other kvtier packages it may import ("" is the package root, `kvtier/__init__.py`)
 ALLOWED: dict[str, set[str]] = {
     "": set(), "identity": set(), "telemetry": set(), "compat": set(), "kernels": set(), "configs": set(),
     "demo_data": set(), "scheduler_hooks": set(),
     "storage_backends": set(_BASE),
     "connector": _BASE | {"storage_backends", "scheduler_hooks"},
+    "launch": _PRODUCTION - {"launch"},  # what the demos start; only the tools (`cli`, ...) import it
     "replay": set(_PRODUCTION),
     "sim": _PRODUCTION | {"replay"},
     "cli": _PRODUCTION | {"sim", "replay"},
     "testing": _PRODUCTION | {"sim", "replay", "cli"},
 }
 
-#: the shipped demos (`kvtier demo*`) still run engines, stores and the demo model through `kvtier.testing`
-DEBT_IMPORTS = {
-    ("kvtier.cli.conversations", "kvtier.testing.demo_model"),
-    ("kvtier.cli.demo", "kvtier.testing.engine_factory"),
-    ("kvtier.cli.demo_shared", "kvtier.testing.demo_model"),
-    ("kvtier.cli.demo_shared", "kvtier.testing.lmcache_mp"),
-    ("kvtier.cli.demo_shared", "kvtier.testing.lmcache_yaml"),
-    ("kvtier.cli.demo_shared", "kvtier.testing.redis_server"),
-    ("kvtier.cli.demo_shared", "kvtier.testing.vllm_engine"),
-    ("kvtier.cli.demo_vllm", "kvtier.testing.demo_model"),
-    ("kvtier.cli.demo_vllm", "kvtier.testing.lmcache_mp"),
-    ("kvtier.cli.demo_vllm", "kvtier.testing.lmcache_yaml"),
-    ("kvtier.cli.demo_vllm_engine", "kvtier.testing.demo_model"),
-    ("kvtier.cli.demo_vllm_engine", "kvtier.testing.vllm_engine"),
-}
+#: imports against the layering that do not hold yet (none today)
+DEBT_IMPORTS: set[tuple[str, str]] = set()
 #: modules over MAX_LINES, each held at most at its length today (they may only shrink)
 DEBT_LINES = {
     "kvtier.storage_backends.ssd.tier": 766,

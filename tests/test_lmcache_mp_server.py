@@ -23,7 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-from kvtier.testing.lmcache_mp import BenchClient, MPServer, kvtier_adapter_spec, lmcache_executable
+from kvtier.launch.lmcache_server import MPServer, kvtier_adapter_spec, lmcache_executable
+from kvtier.testing.lmcache_mp import BenchClient
 from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent

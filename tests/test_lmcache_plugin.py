@@ -15,17 +15,10 @@ import torch
 
 pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
 
-from kvtier.testing.engine_factory import (
-    TINY as SHAPE,
-)
-from kvtier.testing.engine_factory import (
-    ModelShape,
-    build_engine,
-    destroy_engine,
-    kvtier_backend,
-    load_lmcache_config,
-    random_kv,
-)
+from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
+from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+from kvtier.testing.engine_factory import TINY as SHAPE
+from kvtier.testing.engine_factory import random_kv
 
 CHUNK = 16
 #: a wider model, 128 KiB chunks: the host-pool tests count in chunks of it
@@ -114,8 +107,9 @@ def test_corrupt_chunk_is_recomputed_not_returned(engine_from):
 STORE_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.argv = sys.argv
-    from kvtier.testing.engine_factory import TINY, build_engine, destroy_engine, kvtier_backend, \\
-        load_lmcache_config, random_kv
+    from kvtier.launch.lmcache_engine import build_engine, destroy_engine
+    from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+    from kvtier.testing.engine_factory import TINY, random_kv
     e = build_engine(load_lmcache_config(sys.argv[1]), TINY)
     kv = random_kv(TINY, 160, seed=11)
     e.store(torch.arange(1000, 1160), kvcaches=kv)

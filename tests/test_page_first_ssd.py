@@ -11,14 +11,9 @@ from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.metadata import LMCacheMetadata
 
 from kvtier.kernels import KVLayoutKind, vllm_cache_shape
+from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
+from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
 from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
-from kvtier.testing.engine_factory import (
-    ModelShape,
-    build_engine,
-    destroy_engine,
-    kvtier_backend,
-    load_lmcache_config,
-)
 
 L, H, D, BLOCK, PAGE, CHUNK, NBLOCKS = 2, 2, 32, 16, 16, 32, 16
 DTYPE = torch.float32

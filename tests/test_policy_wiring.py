@@ -17,7 +17,8 @@ from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
 
 pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
 
-from kvtier.testing.engine_factory import ModelShape, build_engine, destroy_engine, load_lmcache_config
+from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
+from kvtier.storage_backends.lmcache.backend import load_lmcache_config
 
 pytestmark = pytest.mark.compat
 CHUNK = 4096

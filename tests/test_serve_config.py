@@ -52,8 +52,8 @@ def test_readme_command_builds_connector_and_scheduler(tmp_path, lmcache_yaml):
     from vllm.v1.structured_output import StructuredOutputManager
 
     from kvtier.connector.kvtier_connector import KVTierConnector
+    from kvtier.launch.demo_model import MODEL, install_tokenizer
     from kvtier.scheduler_hooks.dual_queue import DualQueueScheduler
-    from kvtier.testing.demo_model import MODEL, install_tokenizer
 
     model = tmp_path / "model"
     model.mkdir()

@@ -78,7 +78,7 @@ def _conversations() -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from kvtier.testing.demo_model import build
+    from kvtier.launch.demo_model import build
 
     work = tmp_path_factory.mktemp("serve-http")
     model = Path(build(str(work / "model")))
@@ -197,9 +197,9 @@ def test_a_tenants_kv_never_reaches_another_tenant(served):
 
 
 def test_clean_shutdown_keeps_the_ssd_tier(served):
+    from kvtier.launch.demo_model import KV_BYTES_PER_TOKEN
     from kvtier.storage_backends.config import parse_kvtier_config
     from kvtier.storage_backends.ssd.tier import SSDTier
-    from kvtier.testing.demo_model import KV_BYTES_PER_TOKEN
 
     srv = served["servers"]["kvtier"]
     children = psutil.Process(srv.proc.pid).children(recursive=True)

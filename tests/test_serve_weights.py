@@ -63,7 +63,7 @@ def _serve(work: Path, model: Path, kv: str, name: str) -> ServeProcess:
 
 
 def test_restart_serves_the_ssd_tier_and_new_weights_never_get_old_kv(tmp_path):
-    from kvtier.testing.demo_model import build
+    from kvtier.launch.demo_model import build
 
     model = Path(build(str(tmp_path / "model")))
     yaml = tmp_path / "lmcache-kvtier.yaml"

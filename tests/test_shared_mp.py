@@ -17,8 +17,9 @@ import pytest
 pytestmark = pytest.mark.slow
 pytest.importorskip("redis")
 
-from kvtier.testing.lmcache_mp import BenchClient, MPServer, kvtier_adapter_spec  # noqa: E402
-from kvtier.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.launch.lmcache_server import MPServer, kvtier_adapter_spec  # noqa: E402
+from kvtier.launch.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.lmcache_mp import BenchClient  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 REDIS_PORT = 16331

@@ -32,8 +32,8 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
-from kvtier.testing.lmcache_mp import MPServer, kvtier_adapter_spec  # noqa: E402
-from kvtier.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.launch.lmcache_server import MPServer, kvtier_adapter_spec  # noqa: E402
+from kvtier.launch.redis_server import RedisServer, redis_server_binary  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""kvtier's shared tier over a real Redis server (`testing/redis_server.py`) and real in-process LMCache engines
+"""kvtier's shared tier over a real Redis server (`launch/redis_server.py`) and real in-process LMCache engines
 (LMCache's own remote backend, kvtier's SSD plugin): keys, layout checks, local-first order, store faults."""
 
 from __future__ import annotations
@@ -19,16 +19,11 @@ from kvtier.storage_backends.shared.tier import attach_shared_tier, detach_remot
 
 pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
 
+from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
+from kvtier.launch.redis_server import READ_COMMANDS, RedisServer, redis_server_binary  # noqa: E402
+from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
 from kvtier.testing.engine_factory import TINY as SHAPE  # noqa: E402
-from kvtier.testing.engine_factory import (  # noqa: E402
-    ModelShape,
-    build_engine,
-    destroy_engine,
-    kvtier_backend,
-    load_lmcache_config,
-    random_kv,
-)
-from kvtier.testing.redis_server import READ_COMMANDS, RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.engine_factory import random_kv
 from kvtier.testing.waiting import wait_until  # noqa: E402
 
 CHUNK = 16

@@ -1,5 +1,5 @@
 """The tier shared by several engines, end to end: two real vLLM CPU engine processes with the kvtier connector and
-one real Redis server (`testing/redis_server.py`), configured from the shipped `configs/lmcache-kvtier-redis.yaml`.
+one real Redis server (`launch/redis_server.py`), configured from the shipped `configs/lmcache-kvtier-redis.yaml`.
 
 The engines (and a third one without a connector, the reference) stay up for the whole module and take prompts
 one step at a time over a pipe, so the test decides what runs where and when the store dies:
@@ -25,8 +25,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
-from kvtier.testing.lmcache_yaml import write_lmcache_yaml  # noqa: E402
-from kvtier.testing.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.launch.lmcache_yaml import write_lmcache_yaml  # noqa: E402
+from kvtier.launch.redis_server import RedisServer, redis_server_binary  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow

