@@ -92,6 +92,8 @@ class MPServer:
         """Until the HTTP admin API answers (`start_timeout` from `launch`); stops the server if it does not."""
         deadline = self._launched + self.start_timeout
         while time.monotonic() < deadline:
+            if self.proc is None:
+                raise RuntimeError("lmcache server: wait_ready() before launch()")
             if self.proc.poll() is not None:
                 self.returncode = self.proc.returncode
                 self.proc = None
