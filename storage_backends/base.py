@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from kvtier.storage_backends.eviction import EvictionPolicy
 
-__all__ = ["ChunkMeta", "ChunkTier", "TierStats"]
+__all__ = ["ChunkMeta", "ChunkTier", "Put", "TierStats"]
 
 
 @dataclass(frozen=True)
