@@ -28,8 +28,8 @@ import torch
 
 if TYPE_CHECKING:
     from kvtier.connector.worker_storage import SSDTierHandle
+    from kvtier.storage_backends.base import ChunkMeta
     from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
-    from kvtier.storage_backends.ssd.tier import ChunkMeta
 
 logger = logging.getLogger(__name__)
 

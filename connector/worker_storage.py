@@ -39,9 +39,9 @@ if TYPE_CHECKING:
     from lmcache.v1.memory_management import MemoryObj
 
     from kvtier.connector.shared_side import SharedSide
+    from kvtier.storage_backends.base import ChunkMeta, TierStats
     from kvtier.storage_backends.lmcache.backend import KVTierBackend
     from kvtier.storage_backends.lmcache.host_pool import HostPoolWatch
-    from kvtier.storage_backends.ssd.tier import ChunkMeta, TierStats
 
 logger = logging.getLogger(__name__)
 

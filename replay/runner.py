@@ -29,13 +29,14 @@ from dataclasses import asdict, dataclass, field
 
 from kvtier.replay import vllm_offload
 from kvtier.replay.traces import TraceRequest, input_error, read_trace, unique_blocks
+from kvtier.storage_backends.base import ChunkMeta
 from kvtier.storage_backends.eviction.base import (
     EvictionPolicy,
     make_policy,
     policy_class,
     policy_names,
 )
-from kvtier.storage_backends.ssd.index import ChunkMeta, SlotIndex
+from kvtier.storage_backends.ssd.index import SlotIndex
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     ),
     (
         'indexed after failed journal append',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_writes.py',
         '                    reasons = ["io_error" if why is None else why for why in reasons]',
         '                    pass',
         'tests/test_ssd_faults.py',
@@ -126,7 +126,7 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     ),
     (
         'disk-full never retried (defect 5)',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_writes.py',
         '            idx.restore_limit()\n',
         '            pass\n',
         'tests/test_ssd_faults.py',
@@ -143,7 +143,7 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     ),
     (
         'device read leaks reader (defect 7)',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_reads.py',
         (
             '        finally:\n'
             '            self.index.end_read(keys, entries, verdicts, served)\n'
@@ -209,7 +209,7 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     ),
     (
         'compaction beside commits unlocked',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_writes.py',
         (
             '            with self._commit_lock:\n'
             '                if self.io.records_written >'
@@ -239,21 +239,21 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     ),
     (
         'key not checked for UTF-8 (issue 28, 3)',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_writes.py',
         '        key.encode("utf-8")\n    except UnicodeEncodeError as e:\n        return f"invalid key',
         '        pass\n    except UnicodeEncodeError as e:\n        return f"invalid key',
         'tests/test_ssd_reliability.py::test_lone_surrogate_key_is_a_counted_drop_not_an_exception',
     ),
     (
         'back-pressure episode never cleared (issue 28, 4)',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_writes.py',
         'self.io.episodes.cleared("backpressure",',
         'str(',
         'tests/test_ssd_reliability.py::test_backpressure_episodes_are_logged_each_time',
     ),
     (
         'pinned-slot drops not logged (issue 28, 4)',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_writes.py',
         '            self._log_blocked(batch, reservations)\n',
         '',
         'tests/test_ssd_reliability.py::test_drops_because_every_slot_is_pinned_are_logged_once_and_cleared',
@@ -267,14 +267,14 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     ),
     (
         'cancelled write committed anyway (issue 28, 5)',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_writes.py',
         '                            if t.cancelled:\n                                continue\n',
         '',
         'tests/test_ssd_reliability.py::test_remove_racing_the_writer_never_leaves_a_removed_chunk',
     ),
     (
         'eviction final before the journal append (issue 28, 6)',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_writes.py',
         '            if not self._journal_victims(reservations):',
         '            if self.index.settle_victims(reservations, journaled=False):',
         'tests/test_ssd_reliability.py::test_failed_journal_append_costs_no_committed_chunk',
@@ -578,7 +578,7 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     ),
     (
         'sealing: chunks written in the clear',
-        'storage_backends/ssd/tier.py',
+        'storage_backends/ssd/tier_writes.py',
         '            return self.sealer.seal(t.key, t.meta, t.buf, buf)',
         '            return t.meta, t.buf',
         'tests/test_ssd_sealing.py',

@@ -4,7 +4,8 @@
   page-first GPU connectors);
 - `shared/`: the tier several engines share through LMCache's remote backend;
 - `eviction/`: the eviction policies every tier, the replay and the simulator run;
-and, here, the `kvtier.*` settings (`config`) and the storage metrics (`metrics`).
+and, here, the shared storage contracts (`base`: `ChunkTier`, `ChunkMeta`, `TierStats`), the `kvtier.*` settings
+(`config`) and the storage metrics (`metrics`).
 
 The module paths users name in configs are re-exported here, imported lazily (the policies and the replay tools work
 without LMCache installed): `KVTierBackend` (`storage_plugin.kvtier.module_path: kvtier.storage_backends`),
@@ -17,7 +18,7 @@ __all__ = ["ChunkMeta", "KVTierBackend", "SSDTier", "SlotIndex"]
 _WHERE = {
     "KVTierBackend": "kvtier.storage_backends.lmcache.backend",
     "SSDTier": "kvtier.storage_backends.ssd.tier",
-    "ChunkMeta": "kvtier.storage_backends.ssd.index",
+    "ChunkMeta": "kvtier.storage_backends.base",
     "SlotIndex": "kvtier.storage_backends.ssd.index",
 }
 

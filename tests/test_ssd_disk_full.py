@@ -21,7 +21,7 @@ import pytest
 
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.ssd import journal as journal_mod
-from kvtier.storage_backends.ssd import tier as tier_mod
+from kvtier.storage_backends.ssd import tier_writes
 from kvtier.storage_backends.ssd.journal import Journal
 from kvtier.storage_backends.ssd.posix_io import free_bytes, probe_o_direct
 from kvtier.storage_backends.ssd.slot_files import SlotFiles
@@ -165,7 +165,7 @@ def test_capacity_far_above_a_small_disk_keeps_storing_and_restarts(small_disk, 
 def test_restart_on_a_disk_another_file_filled(small_disk, tier_config, monkeypatch, caplog):
     from kvtier.storage_backends.lmcache.mp_config import check_o_direct
 
-    monkeypatch.setattr(tier_mod, "DISK_FULL_RETRY_S", 0.0)
+    monkeypatch.setattr(tier_writes, "DISK_FULL_RETRY_S", 0.0)
     path = os.path.join(small_disk, "ssd")
     cfg = tier_config(ssd_path=path, ssd_capacity_gb=1.0)
     t = SSDTier(cfg, BIG)
@@ -321,10 +321,10 @@ def test_a_tier_stays_within_what_is_free_beside_its_journal(tier_config, monkey
 
 
 def test_the_journal_reserve_covers_a_compaction_at_the_tiers_threshold(tmp_path):
-    assert journal_mod.COMPACT_SLACK == tier_mod.COMPACT_SLACK
+    assert journal_mod.COMPACT_SLACK == tier_writes.COMPACT_SLACK
     j = Journal(str(tmp_path / "journal.log"))
     slots = 1000
-    threshold = journal_mod.COMPACT_PER_CHUNK * slots + tier_mod.COMPACT_SLACK  # records when the tier compacts
+    threshold = journal_mod.COMPACT_PER_CHUNK * slots + tier_writes.COMPACT_SLACK  # records when the tier compacts
     lmcache_key = "meta-llama/Llama-3.1-8B-Instruct@1@0@" + "ab" * 32 + "@bfloat16"
     rec = CommitRecord(1, 1, lmcache_key, 1 << 22, (2, 32, 256, 1024), "torch.bfloat16", "KV_2LTD", 1 << 22, {})
     assert j.reserve_bytes(slots) >= 2 * threshold * len(encode_record(rec))
@@ -363,7 +363,7 @@ def test_a_hole_the_disk_has_no_room_for_is_set_aside_and_stores_go_on(tier_conf
         assert sorted(t.keys()) == ["k6", "k7", "n0", "n1", "n2", "n3"]
         t.index.check_invariants()
         monkeypatch.setattr(os, "posix_fallocate", real)
-        monkeypatch.setattr(tier_mod, "DISK_FULL_RETRY_S", 0.0)
+        monkeypatch.setattr(tier_writes, "DISK_FULL_RETRY_S", 0.0)
         for i in range(2):
             assert put(t, f"m{i}", payload(200 + i, CHUNK))
         assert len(t) == 8 and t.io.files.allocated_slots() == 8  # the holes were grown and used

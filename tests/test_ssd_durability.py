@@ -239,7 +239,7 @@ def test_power_cut_loses_no_committed_chunk_and_returns_no_wrong_bytes(tier_conf
 def test_journal_compaction_never_drops_a_commit_on_its_way_to_the_index(tier_config, ssd, monkeypatch):
     """A compaction snapshots the index and rewrites the journal. Run while a writer has appended a COMMIT but not
     yet indexed the chunk, it would drop that record: the chunk, reported stored, would be gone after a restart."""
-    import kvtier.storage_backends.ssd.tier as mod
+    import kvtier.storage_backends.ssd.tier_writes as mod
 
     monkeypatch.setattr(mod, "COMPACT_SLACK", -10**9)  # compact whenever asked
     cfg = tier_config()

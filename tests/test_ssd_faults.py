@@ -303,7 +303,7 @@ def test_failed_journal_appends_drop_chunks_counted_and_logged_once(tier_config,
 
 
 def test_disk_full_freezes_then_capacity_comes_back_without_restart(tier_config, ssd, monkeypatch, caplog):
-    import kvtier.storage_backends.ssd.tier as mod
+    import kvtier.storage_backends.ssd.tier_writes as mod
 
     monkeypatch.setattr(mod, "DISK_FULL_RETRY_S", 0.0)
     t = SSDTier(tier_config(ssd_capacity_gb=capacity_gb(100), grow_step_mb=1), CHUNK)

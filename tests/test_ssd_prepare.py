@@ -16,8 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.storage_backends.ssd import slot_files
-from kvtier.storage_backends.ssd import tier as ssd_tier
+from kvtier.storage_backends.ssd import slot_files, tier_prepare
 from kvtier.storage_backends.ssd.posix_io import align_up
 from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
 from kvtier.storage_backends.ssd.tier import SSDTier
@@ -36,7 +35,7 @@ put, get = ssd_testing.put, ssd_testing.get
 
 @pytest.fixture(autouse=True)
 def quick_preparer(monkeypatch):
-    monkeypatch.setattr(ssd_tier, "PREPARE_IDLE_S", IDLE_S)
+    monkeypatch.setattr(tier_prepare, "PREPARE_IDLE_S", IDLE_S)
     monkeypatch.setattr(slot_files, "ZERO_PIECE", 4096)  # many requests per slot: many chances to yield
 
 

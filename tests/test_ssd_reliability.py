@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from kvtier.storage_backends.ssd import tier as tier_module
+from kvtier.storage_backends.ssd import tier_writes
 from kvtier.storage_backends.ssd.slot_format import MAX_GENERATION
 from kvtier.storage_backends.ssd.tier import SSDTier
 from kvtier.testing.ssd import fail_journal_writes, frame, hold_writer, record_spans
@@ -144,7 +144,7 @@ def test_drops_because_every_slot_is_pinned_are_logged_once_and_cleared(tier_con
 
 
 def test_compaction_failure_episode_clears(tier_config, ssd, monkeypatch, caplog):
-    monkeypatch.setattr(tier_module, "COMPACT_SLACK", 4)
+    monkeypatch.setattr(tier_writes, "COMPACT_SLACK", 4)
     t = SSDTier(tier_config(ssd_capacity_gb=capacity_gb(2), o_direct=False), CHUNK)
     try:
         real = t.io.compact

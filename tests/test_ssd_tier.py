@@ -13,6 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.compat
 
+from kvtier.storage_backends.base import ChunkTier
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.ssd.tier import ChunkMeta, DirectoryInUse, SSDTier
 from kvtier.testing import ssd as ssd_testing
@@ -477,3 +478,32 @@ def test_segments_read_in_pieces_verify_every_piece(tier_config, o_direct):
         assert t.stats.corrupt == 4 and t.stats.hits == 2
     finally:
         t.close()
+
+
+def _as_chunk_tier(t: ChunkTier) -> ChunkTier:
+    """Where the adapters take a tier: a type checker checks that an `SSDTier` is accepted here."""
+    return t
+
+
+def test_ssd_tier_is_the_chunk_tier_the_adapters_use(tier):
+    """`SSDTier` fulfils `base.ChunkTier`: every member the contract names is there, each method with the same
+    parameters (names, kinds, defaults), each property a value on a started tier."""
+    import inspect
+
+    from typing_extensions import get_protocol_members
+
+    members = get_protocol_members(ChunkTier)
+    assert {"read_batch", "submit_puts", "stats", "close", "__len__"} <= members
+    assert isinstance(_as_chunk_tier(tier), ChunkTier)
+    assert members <= set(dir(tier))
+    for name in sorted(members):
+        contract = inspect.getattr_static(ChunkTier, name)
+        if isinstance(contract, property):
+            assert not callable(inspect.getattr_static(tier, name)), name  # a value, not a method
+            continue
+
+        def params(fn):
+            return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+        assert params(contract) == params(inspect.getattr_static(SSDTier, name)), name
+

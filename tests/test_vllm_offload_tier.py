@@ -100,7 +100,7 @@ def test_a_flipped_byte_is_a_miss_that_vllm_recomputes(vt, tmp_path):
 def test_a_full_disk_fails_store_jobs_without_an_exception_into_vllm(vt, tmp_path, monkeypatch, caplog):
     """A disk that refuses every grow: vLLM's store jobs finish as failed (the primary chunks are released), nothing
     raises into the manager, the episode is logged once; once the disk has room, stores commit again."""
-    from kvtier.storage_backends.ssd import tier as tier_mod
+    from kvtier.storage_backends.ssd import tier_writes
 
     def no_room(*_a):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -117,7 +117,7 @@ def test_a_full_disk_fails_store_jobs_without_an_exception_into_vllm(vt, tmp_pat
         assert tier.job_results == {("store", "failed"): 1}
         assert [g is not None for g in h.load(keys[:3])] == [True] * 3  # still served from the primary tier
         monkeypatch.setattr(os, "posix_fallocate", real)
-        monkeypatch.setattr(tier_mod, "DISK_FULL_RETRY_S", 0.0)
+        monkeypatch.setattr(tier_writes, "DISK_FULL_RETRY_S", 0.0)
         h.store(keys[3:], data[3:])
         h.settle()
         assert sorted(tier.tier.keys()) == sorted(k.hex() for k in keys[3:])

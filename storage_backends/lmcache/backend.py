@@ -34,11 +34,11 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from kvtier.compat import guard
+from kvtier.storage_backends.base import ChunkMeta, ChunkTier
 from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
 from kvtier.storage_backends.lmcache.host_pool import HostPoolWatch
 from kvtier.storage_backends.lmcache.kv_identity import plugin_fingerprint, under_kvtier_connector
 from kvtier.storage_backends.shared.config import remote_configured
-from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
 
 if TYPE_CHECKING:
     from kvtier.storage_backends.lmcache.backend_order import LocalFirstOrder
@@ -113,7 +113,7 @@ class KVTierBackend(StoragePluginInterface):
         self.local_first: LocalFirstOrder | None = None
         if local_cpu_backend is None:
             # Scheduler role: LMCache's scheduler never reads or writes chunks itself.
-            self.tier = None
+            self.tier: ChunkTier | None = None
             logger.debug("kvtier plugin in scheduler role: storage disabled in this process")
             return
         if metadata is None or not getattr(metadata, "kv_shape", None):
@@ -132,6 +132,8 @@ class KVTierBackend(StoragePluginInterface):
         # (inside kvtier's connector, the connector logs the engine's fingerprint)
         logger.log(logging.DEBUG if under_kvtier_connector(metadata) else logging.INFO,
                    "kvtier: KV identity of worker %d: %s", metadata.worker_id, self.fingerprint.describe())
+        from kvtier.storage_backends.ssd.tier import SSDTier
+
         self.tier = SSDTier(
             self.kvtier_config,
             chunk_bytes_of(metadata),
@@ -293,7 +295,7 @@ class KVTierBackend(StoragePluginInterface):
 CLOSE_FLUSH_S = 10.0
 
 
-def _end_writes_before_pool_closes(local_cpu_backend: Any, tier: SSDTier) -> None:
+def _end_writes_before_pool_closes(local_cpu_backend: Any, tier: ChunkTier) -> None:
     """LMCache's StorageManager closes its backends in order, LocalCPUBackend first, and that close frees the host
     pool (`MixedMemoryAllocator.close` unmaps it) while this plugin's queued SSD writes still read chunks there:
     a writer then crashed the process in the CRC, or could have written reused memory. So the SSD tier's writes

@@ -68,6 +68,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from kvtier.compat import guard
 from kvtier.storage_backends import metrics as M
+from kvtier.storage_backends.base import ChunkMeta, ChunkTier
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.lmcache.mp_config import (
     KVTierL2AdapterConfig,
@@ -84,11 +85,8 @@ from kvtier.storage_backends.lmcache.mp_keys import (
     parse_key_string,
     parse_key_weights,
 )
-from kvtier.storage_backends.ssd.directory import (
-    read_small_file,
-    write_small_file,
-)
-from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
+from kvtier.storage_backends.ssd.directory import read_small_file, write_small_file
+from kvtier.storage_backends.ssd.tier import SSDTier
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +131,7 @@ class KVTierL2Adapter(L2AdapterInterface):
         self._lock_fd = claim_directory(cfg.ssd_path, self.directory, cfg.o_direct)
         self._lock = threading.Lock()  # adapter state; never held while calling the tier
         self._tier_lock = threading.Lock()  # opening the tier
-        self._tier: SSDTier | None = None
+        self._tier: ChunkTier | None = None
         self.open_error: str | None = None
         self._next_id = 0
         self._done_stores: dict[L2TaskId, L2StoreResult] = {}
@@ -170,7 +168,7 @@ class KVTierL2Adapter(L2AdapterInterface):
 
     # ------------------------------------------------------------------ the tier
     @property
-    def tier(self) -> SSDTier | None:
+    def tier(self) -> ChunkTier | None:
         return self._tier
 
     def tier_key(self, key: ObjectKey) -> str:
@@ -190,7 +188,7 @@ class KVTierL2Adapter(L2AdapterInterface):
                 stale.append((s, parsed[0]))
         self._demote(tier, stale, f"of model {model} with other weights or config than now (fingerprint {weights})")
 
-    def _demote(self, tier: SSDTier, stale: list[tuple[str, ObjectKey | None]], what: str) -> None:
+    def _demote(self, tier: ChunkTier, stale: list[tuple[str, ObjectKey | None]], what: str) -> None:
         if not stale:
             return
         gone: list[tuple[ObjectKey, int]] = []
@@ -220,7 +218,7 @@ class KVTierL2Adapter(L2AdapterInterface):
             raise ConfigError(f"adapter_params.ssd_path: {path} is unreadable ({e}); it records the slot size of "
                               f"the chunks under {self.directory}: restore it, or empty that directory") from None
 
-    def _open_tier(self, chunk_bytes: int, strict: bool = False) -> SSDTier | None:
+    def _open_tier(self, chunk_bytes: int, strict: bool = False) -> ChunkTier | None:
         """Open the tier for chunks of `chunk_bytes`. A configuration that cannot hold them raises at start
         (`strict`); found later, with the first chunk, it is logged and the adapter stores and serves nothing."""
         with self._tier_lock:
@@ -259,7 +257,7 @@ class KVTierL2Adapter(L2AdapterInterface):
                     tier.slot_size, tier.max_slots, len(recovered))
         return tier
 
-    def _tier_for(self, chunk_bytes: int) -> SSDTier | None:
+    def _tier_for(self, chunk_bytes: int) -> ChunkTier | None:
         tier = self._tier
         if tier is None and chunk_bytes > 0:
             tier = self._open_tier(chunk_bytes)

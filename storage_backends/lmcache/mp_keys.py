@@ -21,7 +21,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from kvtier.identity.model import config_digest, read_config, weights_identity
 from kvtier.identity.request import digest
-from kvtier.storage_backends.ssd.tier import ChunkMeta
+from kvtier.storage_backends.base import ChunkMeta
 
 logger = logging.getLogger(__name__)
 

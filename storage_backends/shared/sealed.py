@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvtier.storage_backends.ssd.index import ChunkMeta
+from kvtier.storage_backends.base import ChunkMeta
 from kvtier.storage_backends.ssd.sealing import SEALED, ChunkSealer
 
 __all__ = ["open_envelope", "seal_envelope"]

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.storage_backends.base import ChunkMeta
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.lmcache.backend_order import remote_backends
 from kvtier.storage_backends.shared import metrics as M
@@ -46,7 +47,6 @@ from kvtier.storage_backends.shared.config import SharedTierOptions
 from kvtier.storage_backends.shared.health import StoreHealth
 from kvtier.storage_backends.shared.sealed import open_envelope, seal_envelope
 from kvtier.storage_backends.ssd.sealing import ChunkSealer
-from kvtier.storage_backends.ssd.tier import ChunkMeta
 
 logger = logging.getLogger(__name__)
 

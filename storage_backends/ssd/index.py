@@ -2,8 +2,9 @@
 
 Plain Python, no I/O, no torch: entries (slot, generation, metadata), pins with expiry, readers, the free-slot
 heap, the slot budget (the configured capacity, lowered while the disk is full), the eviction policy, and journal
-replay. The I/O engine (`ssd_io.SlotIO`) moves bytes; `ssd_tier.SSDTier` composes the two with the write queue.
+replay. The I/O engine (`slot_io.SlotIO`) moves bytes; `tier.SSDTier` composes the two with the write queue.
 The same object serves the LMCache plugin, the MP-mode L2 adapter and offline replays (`kvtier.replay.runner`).
+`ChunkMeta` and `TierStats` are the shared contracts' (`kvtier.storage_backends.base`), re-exported here.
 
 Slot life cycle: `reserve()` hands out a slot and a fresh generation (a free slot, a new slot below the budget, or
 one freed by evicting an unpinned, unread chunk); the writer either `commit()`s a chunk into it or `unreserve()`s it.
@@ -17,7 +18,6 @@ takes the index's lock; drop listeners and `on_slot_freed` run under it and must
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import logging
 import threading
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.storage_backends import metrics as M
+from kvtier.storage_backends.base import ChunkMeta, TierStats
 from kvtier.storage_backends.eviction import EvictionPolicy
 from kvtier.storage_backends.ssd.slot_format import TRUSTED_GENERATION, CommitRecord, FreeRecord, JournalRecord
 
@@ -34,17 +35,6 @@ logger = logging.getLogger(__name__)
 
 #: A read's verdict when the chunk was not read at all (no room or engine for it): a miss, the chunk stays.
 NOT_READ = "not_read"
-
-
-@dataclass(frozen=True)
-class ChunkMeta:
-    """What the tier records about a chunk besides its bytes."""
-
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    fmt: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -65,36 +55,6 @@ class Reservation:
 
     slot: int
     gen: int
-
-
-@dataclass
-class TierStats:
-    """Exact per-tier counters (tests read these; Prometheus gets the same increments)."""
-
-    committed: int = 0
-    duplicate_puts: int = 0
-    cancelled_puts: int = 0  #: queued writes cancelled by `remove()` before they committed
-    dropped_backpressure: int = 0
-    dropped_no_space: int = 0
-    dropped_io_error: int = 0
-    dropped_too_large: int = 0
-    dropped_invalid: int = 0  #: keys or metadata that cannot be encoded (a lone surrogate in a key...)
-    dropped_shutdown: int = 0  #: queued writes dropped by `SSDTier.close(drain=False)`
-    hits: int = 0
-    misses: int = 0
-    corrupt: int = 0
-    layout_mismatch: int = 0
-    evictions: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    pins_expired: int = 0
-    journal_damaged_records: int = 0
-    journal_records_dropped: int = 0
-    journal_write_errors: int = 0
-    foreign_evicted: int = 0  #: chunks of another namespace reclaimed for new chunks
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

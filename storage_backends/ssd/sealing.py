@@ -22,7 +22,7 @@ import hashlib
 import os
 import threading
 
-from kvtier.storage_backends.ssd.index import ChunkMeta
+from kvtier.storage_backends.base import ChunkMeta
 from kvtier.storage_backends.ssd.posix_io import aligned_buffer
 
 __all__ = ["ChunkSealer"]

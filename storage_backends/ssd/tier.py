@@ -1,12 +1,16 @@
 """The SSD tier: a persistent, capacity-bounded store of KV chunks in fixed-size slots (engine-agnostic core).
 
 Keys are strings (LMCache's `CacheEngineKey.to_string()`, or the MP adapter's object keys); chunk payloads are host
-buffers. The LMCache plugin (`lmcache_backend.py`) and the MP-mode L2 adapter are thin adapters over this class,
-which composes three parts the way vLLM's `v1/kv_offload` splits a manager from its workers:
-- `ssd_index.SlotIndex` (no I/O): entries, pins, generations, free slots, the eviction policy, journal replay;
-- `ssd_io.SlotIO` (bytes only): slot files, segments, O_DIRECT/kvikio, CRCs, durability, the journal;
-- `ssd_write_queue.WriteQueue` between them: bounded queued bytes with back-pressure, drained by two writer
+buffers. The LMCache plugin (`lmcache/backend.py`), the MP-mode L2 adapter and vLLM's secondary tier are thin adapters
+over this class, through the contract `kvtier.storage_backends.base.ChunkTier`. It composes three parts the way
+vLLM's `v1/kv_offload` splits a manager from its workers:
+- `index.SlotIndex` (no I/O): entries, pins, generations, free slots, the eviction policy, journal replay;
+- `slot_io.SlotIO` (bytes only): slot files, segments, O_DIRECT/kvikio, CRCs, durability, the journal;
+- `write_queue.WriteQueue` between them: bounded queued bytes with back-pressure, drained by two writer
   threads here (one's data goes to the disk while the other syncs and commits).
+This module opens the tier (directory, O_DIRECT probe, journal replay, foreign namespaces), answers lookups and pins,
+and closes it; the write path is `tier_writes.TierWrites`, the read path `tier_reads.TierReads`, and `prepare_slots`
+`tier_prepare.SlotPreparation`, each a part of `SSDTier`.
 
 Write path: `submit_put(s)` queues the chunk(s); a writer reserves a slot (evicting through the policy if the tier is
 full), writes data then header, `fdatasync`s, appends the COMMIT record to the journal and fsyncs it; only then is
@@ -31,42 +35,37 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from kvtier.identity.namespace import KeyNamespace, namespace_of
 from kvtier.identity.request import digest, tenant_of_key
-from kvtier.storage_backends import metrics as M
+from kvtier.storage_backends.base import ChunkMeta, TierStats
 from kvtier.storage_backends.config import ConfigError, KVTierConfig, load_secret
 from kvtier.storage_backends.eviction import EvictionPolicy, make_policy
-from kvtier.storage_backends.ssd import journal
 from kvtier.storage_backends.ssd.directory import DirectoryInUse, lock_directory, prepare_directory
-from kvtier.storage_backends.ssd.index import ChunkMeta, Entry, Reservation, SlotIndex, TierStats
-from kvtier.storage_backends.ssd.posix_io import align_up, bytes_view, probe_o_direct
+from kvtier.storage_backends.ssd.index import Entry, SlotIndex
+from kvtier.storage_backends.ssd.posix_io import align_up, probe_o_direct
 from kvtier.storage_backends.ssd.sealing import ChunkSealer
-from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE, CommitRecord, header_fits
-from kvtier.storage_backends.ssd.slot_io import SlotIO, SlotRead, SlotWrite
-from kvtier.storage_backends.ssd.write_queue import PutTask, Submitted, WriteQueue
+from kvtier.storage_backends.ssd.slot_format import HEADER_SIZE
+from kvtier.storage_backends.ssd.slot_io import SlotIO
+from kvtier.storage_backends.ssd.tier_prepare import SlotPreparation
+from kvtier.storage_backends.ssd.tier_reads import TierReads
+from kvtier.storage_backends.ssd.tier_writes import TierWrites
+from kvtier.storage_backends.ssd.write_queue import WriteQueue
 
+#: `ChunkMeta` and `TierStats` are the shared contracts' (`kvtier.storage_backends.base`), re-exported here
 __all__ = ["ChunkMeta", "DirectoryInUse", "SSDTier", "TierStats"]
 
 logger = logging.getLogger(__name__)
 
-#: chunks a writer takes per batch (one fdatasync and one journal append each)
-_BATCH = 16
 #: writer threads: while one syncs and commits its batch, the other's data is already on its way to the disk
 _WRITERS = 2
-#: after a full disk lowered the slot budget, how often a store tries to grow the files again
-DISK_FULL_RETRY_S = 10.0
-#: the journal is rewritten once it holds more than COMPACT_PER_CHUNK records per live chunk plus COMPACT_SLACK
-#: (defined by the journal, whose reserved room on disk covers that size)
-COMPACT_PER_CHUNK, COMPACT_SLACK = journal.COMPACT_PER_CHUNK, journal.COMPACT_SLACK
-#: `prepare_slots`: zeroing starts only after the tier saw no read or write for this long
-PREPARE_IDLE_S = 0.2
-#: ... and claims this many bytes of slots at a time (it yields between its 8 MiB requests)
-PREPARE_STEP_BYTES = 256 << 20
 
 
-class SSDTier:
+class SSDTier(TierWrites, TierReads, SlotPreparation):
+    """The SSD tier (a `kvtier.storage_backends.base.ChunkTier`): opening and recovery, lookups and pins, and the
+    lifecycle here; the write path in `tier_writes`, the read path in `tier_reads`, `prepare_slots` in
+    `tier_prepare`."""
+
     def __init__(self, config: KVTierConfig, chunk_bytes: int,
                  layout_ok: Callable[[ChunkMeta], bool] | None = None,
                  policy: EvictionPolicy | None = None, subdir: str = "",
@@ -98,7 +97,7 @@ class SSDTier:
         if subdir:
             prepare_directory(self.directory)
         self._lock_fd = lock_directory(self.directory)
-        self.io: SlotIO | None = None
+        opened: SlotIO | None = None  # closed again if the start fails
         try:
             if config.o_direct:
                 try:
@@ -113,7 +112,7 @@ class SSDTier:
                                    "disk is full)", self.directory, untold)
             self.stats = TierStats()
             try:
-                self.io = SlotIO(
+                self.io = opened = SlotIO(
                     self.directory, self.slot_size, seg=self.seg, o_direct=config.o_direct,
                     io_threads=config.io_threads, io_engine=config.io_engine, durable=config.durable_writes,
                     read_piece=config.read_piece_mb << 20,
@@ -145,8 +144,8 @@ class SSDTier:
                     gc.enable()
             self.rebuild_seconds = time.perf_counter() - t0
         except BaseException:
-            if self.io is not None:
-                self.io.close()
+            if opened is not None:
+                opened.close()
             os.close(self._lock_fd)
             raise
         self.io_engine = self.io.engine
@@ -282,431 +281,6 @@ class SSDTier:
 
         self.index.add_drop_listener(own_drops)
 
-    # ------------------------------------------------------------------ writes
-    def submit_put(self, key: str, meta: ChunkMeta, buf: memoryview, on_done: Callable[[bool], None]) -> bool:
-        """Queue a chunk for writing. Returns False (and never calls on_done) when the chunk is not queued:
-        already stored or queued, too large for a slot, or dropped after back-pressure timed out."""
-        return self.submit_puts([(key, meta, buf, on_done)])[0]
-
-    def submit_puts(self, puts: Sequence[tuple[str, ChunkMeta, memoryview, Callable[[bool], None]]]) -> list[bool]:
-        """`submit_put` for several chunks at once (one store of LMCache): the writers see them together."""
-        now = time.monotonic()
-        tasks: list[PutTask | None] = []
-        for key, meta, buf, on_done in puts:
-            key = self.namespace.qualify(key)
-            buf = bytes_view(buf)
-            why = _unstorable(key, meta, buf, self.slot_size - HEADER_SIZE, self.seg)
-            if why is not None:
-                self._count_drop("invalid" if why.startswith("invalid") else "too_large")
-                self.io.episodes.occurred("too_large", logging.WARNING, "chunk %r (%d bytes) is not stored on SSD: "
-                                          "%s", key, meta.nbytes, why)
-                tasks.append(None)
-                continue
-            tasks.append(PutTask(key, meta, buf, on_done, now))
-        self._last_io = time.monotonic()
-        verdicts = iter(self.queue.submit_many([t for t in tasks if t is not None]))
-        out = []
-        for t in tasks:
-            verdict = Submitted.CLOSED if t is None else next(verdicts)
-            out.append(verdict is Submitted.QUEUED)
-            if verdict is Submitted.QUEUED:
-                self.io.episodes.cleared("backpressure", "SSD writes keep up again (no chunk waited past "
-                                         "kvtier.backpressure_timeout_s)")
-                self.io.episodes.cleared("too_large", "SSD chunks fit their slots again")
-            if verdict is Submitted.DUPLICATE:
-                with self.index.lock:
-                    self.stats.duplicate_puts += 1
-            elif verdict is Submitted.BACKPRESSURE:
-                self._count_drop("backpressure")
-                self.io.episodes.occurred("backpressure", logging.WARNING, "SSD writes cannot keep up: dropping "
-                                          "chunks after waiting %.1f s (kvtier.backpressure_timeout_s); counted in "
-                                          "kvtier_ssd_dropped_puts_total{reason=backpressure}",
-                                          self.config.backpressure_timeout_s)
-        M.SSD_INFLIGHT_WRITE_BYTES.set(self.queue.inflight_bytes)
-        return out
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write has committed or failed."""
-        return self.queue.flush(timeout)
-
-    def _count_drop(self, reason: str, n: int = 1) -> None:
-        with self.index.lock:
-            if reason == "no_space":
-                self.stats.dropped_no_space += n
-            elif reason == "backpressure":
-                self.stats.dropped_backpressure += n
-            elif reason == "too_large":
-                self.stats.dropped_too_large += n
-            elif reason == "invalid":
-                self.stats.dropped_invalid += n
-            elif reason == "shutdown":
-                self.stats.dropped_shutdown += n
-            else:
-                self.stats.dropped_io_error += n
-        M.SSD_DROPPED.labels(reason).inc(n)
-
-    def _write_loop(self) -> None:
-        while True:
-            batch = self.queue.take(_BATCH)
-            if not batch:
-                return
-            try:
-                results = self._write_batch(batch)
-            except Exception:  # a bug, not an I/O error (those are per chunk): fail the batch, keep serving
-                logger.exception("SSD tier writer failed on a batch of %d chunks", len(batch))
-                results = [False] * len(batch)
-            # Completion callbacks first, then the queue's room: a callback releases the chunk's buffer (the LMCache
-            # plugin's ref_count_down), and the queue's byte bound stands for buffers the queued writes hold. Freed
-            # the other way round, a store waiting for room got in (and LMCache allocated its next store) while this
-            # batch's buffers were still held, so more than the bound was held: with the plugin's cap at half of
-            # LMCache's host pool that left no room for a store's last chunk, and LMCache skipped it.
-            for t, ok in zip(batch, results):
-                if ok:
-                    M.SSD_WRITE_SECONDS.observe(time.monotonic() - t.submitted)
-                try:
-                    t.on_done(ok)
-                except Exception:
-                    logger.exception("put completion callback failed for %s", t.key)
-            self.queue.done(batch)
-            M.SSD_INFLIGHT_WRITE_BYTES.set(self.queue.inflight_bytes)
-            self._maybe_compact()
-
-    def _write_batch(self, batch: list[PutTask]) -> list[bool]:
-        reservations: list[Reservation | None] = []
-        held: list[memoryview] = []  # sealing buffers taken for this batch
-        settled: set[int] = set()  # reservations committed or given back
-        try:
-            with self._reserve_lock:
-                for t in batch:
-                    reservations.append(None if t.cancelled else self._reserve())
-            self._log_blocked(batch, reservations)
-            if not self._journal_victims(reservations):
-                settled.update(range(len(batch)))
-                for t in batch:
-                    if not t.cancelled:
-                        self._count_drop("io_error")
-                return [False] * len(batch)
-            stored = self._stored_forms(batch, reservations, held)
-            writes = [SlotWrite(t.key, r.slot, r.gen, m, b[:m.nbytes])
-                      for t, r, (m, b) in zip(batch, reservations, stored) if r is not None and b is not None]
-            verdicts = iter(self.io.write(writes))
-            reasons = [("cancelled" if t.cancelled else "no_space") if r is None else
-                       ("invalid" if b is None else next(verdicts))
-                       for t, r, (_m, b) in zip(batch, reservations, stored)]
-            commits = [CommitRecord(r.slot, r.gen, t.key, m.nbytes, tuple(m.shape), m.dtype, m.fmt, self.seg, m.extra)
-                       for t, r, why, (m, _b) in zip(batch, reservations, reasons, stored)
-                       if r is not None and why is None]
-            results = [False] * len(batch)
-            with self._commit_lock:  # a compaction's snapshot never misses a COMMIT already in the journal
-                if commits:
-                    try:
-                        self.io.commit(commits)
-                        self.io.episodes.cleared("journal", "SSD journal appends succeed again")
-                    except OSError as e:
-                        self.io.episodes.occurred("journal", logging.ERROR, "SSD journal append failed under %s "
-                                                  "(%s); chunks are not stored (kvtier_ssd_dropped_puts_total)",
-                                                  self.directory, e)
-                        with self.index.lock:
-                            self.stats.journal_write_errors += 1
-                        reasons = ["io_error" if why is None else why for why in reasons]
-                for i, (t, r, why) in enumerate(zip(batch, reservations, reasons)):
-                    if r is not None and why is None:
-                        with self._cancel_lock:  # a remove() of this key either came first or comes after
-                            if t.cancelled:
-                                continue
-                            self.index.commit(t.key, r, stored[i][0], self.seg)
-                        settled.add(i)
-                        results[i] = True
-            for i, (t, r, why) in enumerate(zip(batch, reservations, reasons)):
-                if results[i]:
-                    continue
-                if r is not None:
-                    self.index.unreserve(r)
-                    settled.add(i)
-                if t.cancelled:
-                    with self.index.lock:
-                        self.stats.cancelled_puts += 1
-                else:
-                    self._count_drop(why or "io_error")
-            return results
-        except BaseException:
-            for i, r in enumerate(reservations):  # never leak a reserved slot
-                if r is not None and i not in settled:
-                    self.index.unreserve(r)
-            raise
-        finally:
-            for buf in held:  # the sealed copies were written (or abandoned): their buffers serve the next batch
-                self.sealer.give_buffer(buf)  # type: ignore[union-attr]
-
-    def _stored_forms(self, batch: list[PutTask], reservations: list[Reservation | None], held: list[memoryview]
-                      ) -> list[tuple[ChunkMeta, memoryview | None]]:
-        """What each chunk of a batch is written as (sealed side by side on the crypto threads when the tier seals:
-        AES-GCM releases the GIL)."""
-        if self._crypto is None or len(batch) < 2:
-            return [self._sealed(t, held) if r is not None else (t.meta, t.buf) for t, r in zip(batch, reservations)]
-        return list(self._crypto.map(lambda tr: self._sealed(tr[0], held) if tr[1] is not None else
-                                     (tr[0].meta, tr[0].buf), zip(batch, reservations)))
-
-    def _sealed(self, t: PutTask, held: list[memoryview]) -> tuple[ChunkMeta, memoryview | None]:
-        """What a chunk is stored as: itself, or sealed into a buffer added to `held` (None: sealing failed, the
-        chunk is not stored)."""
-        if self.sealer is None:
-            return t.meta, t.buf
-        try:
-            buf = self.sealer.take_buffer(t.meta.nbytes)
-            held.append(buf)
-            return self.sealer.seal(t.key, t.meta, t.buf, buf)
-        except Exception:  # noqa: BLE001 - that chunk is not stored, the writer goes on
-            logger.exception("SSD tier: sealing chunk %s failed; not stored", t.key)
-            return t.meta, None
-
-    def _log_blocked(self, batch: list[PutTask], reservations: list[Reservation | None]) -> None:
-        """Chunks that got no slot while the disk is fine: every slot is pinned or being read (logged once per
-        episode; a full disk or a failed grow logs its own episode)."""
-        if any(r is None and not t.cancelled for t, r in zip(batch, reservations)):
-            ep = self.io.episodes
-            if not (ep.active("disk-full") or ep.active("grow")):
-                ep.occurred("no-slot", logging.WARNING, "SSD tier: no slot for new chunks under %s, every slot is "
-                            "pinned or being read; chunks are dropped (kvtier_ssd_dropped_puts_total{reason="
-                            "no_space}); raise kvtier.ssd_capacity_gb or lower kvtier.pin_timeout_s",
-                            self.directory)
-        elif reservations:
-            self.io.episodes.cleared("no-slot", "SSD tier: slots are free for new chunks again")
-
-    def _journal_victims(self, reservations: list[Reservation | None]) -> bool:
-        """Journal the FREE records of the chunks evicted for these reservations before their slots are
-        overwritten. False when the append failed: the evicted chunks are back in the index and every
-        reservation has ended (the batch is not written)."""
-        frees = self.index.victim_frees(reservations)
-        if not frees:
-            return True
-        try:
-            self.io.journal_frees(frees)
-        except OSError as e:
-            self.index.restore_victims(reservations)
-            self.io.episodes.occurred("journal", logging.ERROR, "SSD journal append failed under %s (%s); chunks "
-                                      "are not stored (kvtier_ssd_dropped_puts_total)", self.directory, e)
-            with self.index.lock:
-                self.stats.journal_write_errors += 1
-            return False
-        self.index.settle_victims(reservations)
-        return True
-
-    def _reserve(self) -> Reservation | None:
-        """A slot for the next chunk, allocated on disk; on a full disk the budget shrinks to what exists (logged
-        once per episode) and is tried again every DISK_FULL_RETRY_S."""
-        idx = self.index
-        if self._disk_full_at is not None and time.monotonic() - self._disk_full_at >= DISK_FULL_RETRY_S:
-            idx.restore_limit()
-            self._disk_full_at = None
-        while True:
-            res = idx.reserve()
-            if res is None or self.io.files.is_allocated(res.slot):
-                return res
-            try:
-                self.io.files.ensure(res.slot, limit=idx.capacity)
-            except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    idx.unreserve(res)
-                    self.io.episodes.occurred("grow", logging.ERROR, "cannot grow the SSD tier's files under %s "
-                                              "(%s)", self.directory, e)
-                    return None
-                # No room (the files never take the journal's): the slot is given back, or kept out of use if it
-                # is a hole below the highest one, and the budget stays at the slots that exist.
-                idx.disk_full(res)
-                self._disk_full_at = time.monotonic()
-                self.io.episodes.occurred("disk-full", logging.ERROR, "disk full under %s: the SSD tier stays at %d "
-                                          "slots (%.1f GiB) and evicts within them; the host tier keeps serving; "
-                                          "growth is retried every %.0f s", self.directory, idx.limit,
-                                          idx.limit * self.slot_size / (1 << 30), DISK_FULL_RETRY_S)
-                if idx.limit == 0:
-                    return None
-                continue
-            self.io.episodes.cleared("grow", "the SSD tier's files grow again under %s", self.directory)
-            if self._disk_full_at is None:
-                self.io.episodes.cleared("disk-full", "the SSD tier's disk has room again under %s",
-                                         self.directory)
-            return res
-
-    def _maybe_compact(self) -> None:
-        """Rewrite the journal as a snapshot once dead records dominate it (under the commit lock, so no COMMIT
-        record is on its way from the journal to the index)."""
-        if self.io.records_written <= COMPACT_PER_CHUNK * len(self.index) + COMPACT_SLACK:
-            return
-        try:
-            with self._commit_lock:
-                if self.io.records_written > COMPACT_PER_CHUNK * len(self.index) + COMPACT_SLACK:
-                    self.io.compact(self.index.live_records())
-        except OSError as e:
-            self.io.episodes.occurred("compact", logging.WARNING, "SSD journal compaction failed (%s); will retry",
-                                      e)
-            return
-        self.io.episodes.cleared("compact", "SSD journal compaction succeeds again")
-
-    # ------------------------------------------------------------------ reads
-    def read_batch(self, keys: Sequence[str], alloc: Callable[[str, ChunkMeta], tuple[memoryview, Any] | None],
-                   release: Callable[[Any], None]) -> list[Any]:
-        """Read chunks into destinations from `alloc(key, meta) -> (buffer, handle)`; returns the handles (None
-        for a miss). A chunk that fails any check is released, dropped from the tier and counted. Never raises
-        (an `alloc` or `release` that raises makes that chunk a miss)."""
-        t0 = time.monotonic()
-        self._reading(1)
-        asked, keys = keys, [self.namespace.qualify(k) for k in keys]
-        entries = self.index.begin_read(keys)
-        verdicts: list[str | None] = [None] * len(keys)
-        served = [False] * len(keys)
-        out: list[Any] = [None] * len(keys)
-        try:
-            dests: list[tuple[memoryview, Any] | None] = [self._stage(k, e, alloc, release)
-                                                          for k, e in zip(asked, entries)]
-            todo = [i for i, d in enumerate(dests) if d is not None]
-            reads = [SlotRead(keys[i], entries[i].slot, entries[i].gen, entries[i].meta, entries[i].seg,
-                              dests[i][0]) for i in todo]  # type: ignore[union-attr,index]
-            opening: dict[int, Any] = {}  # sealed chunks are opened as each arrives, while later ones still read
-
-            def open_now(j: int) -> None:
-                i = todo[j]
-                opening[i] = self._crypto.submit(  # type: ignore[union-attr]
-                    self._opened, keys[i], entries[i].meta, dests[i][0])  # type: ignore[index,union-attr]
-
-            results = list(zip(todo, self.io.read(reads, open_now if self._crypto is not None else None)))
-            for i, verdict in results:
-                if verdict is None:
-                    ok = opening[i].result() if i in opening else self._opened(
-                        keys[i], entries[i].meta, dests[i][0])  # type: ignore[index,union-attr]
-                    verdict = None if ok else "auth"
-                verdicts[i] = verdict
-                if verdict is None:
-                    out[i] = dests[i][1]  # type: ignore[index]
-                    served[i] = True
-                else:
-                    _safe_release(release, dests[i][1])  # type: ignore[index]
-        finally:
-            self.index.end_read(keys, entries, verdicts, served)
-            self._reading(-1)
-        M.SSD_READ_SECONDS.observe(time.monotonic() - t0)
-        return out
-
-    def _opened(self, key: str, meta: Any, dest: memoryview) -> bool:
-        """A chunk read whole: decrypted in place when the tier seals chunks (False: not sealed, or it fails
-        authentication); a sealed chunk in a tier without the secret is refused too."""
-        sealed = isinstance(meta.extra, dict) and "sealed" in meta.extra
-        if self.sealer is None:
-            return not sealed
-        try:
-            return sealed and self.sealer.open(key, meta, dest)
-        except Exception:  # noqa: BLE001 - a chunk that cannot be opened is a miss, never an error for the caller
-            logger.exception("SSD tier: opening sealed chunk %s failed; treated as a miss", key)
-            return False
-
-    @staticmethod
-    def _stage(key: str, e: Entry | None, alloc, release) -> tuple[memoryview, Any] | None:
-        if e is None:
-            return None
-        try:
-            d = alloc(key, e.meta)
-            if d is None:
-                return None
-            buf = bytes_view(d[0])
-            if len(buf) < e.meta.nbytes:
-                _safe_release(release, d[1])
-                logger.warning("destination of %d bytes for the %d-byte SSD chunk %s; treated as a miss",
-                               len(buf), e.meta.nbytes, key)
-                return None
-            return buf, d[1]
-        except Exception:
-            logger.exception("cannot stage SSD chunk %s; treated as a miss", key)
-            return None
-
-    def read_into_device(self, key: str, dest) -> bool:
-        """Read a chunk straight into a GPU tensor through kvikio (GDS or compat mode). The data is verified
-        against the slot's checksums before True is returned; False is a miss. Never raises."""
-        return self.read_batch_into_device([key], lambda _k, _m: dest)[0]
-
-    @property
-    def reads_into_device(self) -> bool:
-        """Whether reads can go straight into device memory (`kvtier.io_engine` resolved to kvikio, and chunks are not
-        sealed: they are opened in host memory)."""
-        return self.io is not None and self.io.device_reads and self.sealer is None
-
-    def read_batch_into_device(self, keys: Sequence[str], dest: Callable[[str, ChunkMeta], Any]) -> list[bool]:
-        """Read chunks straight into the device tensors `dest(key, meta)` names (None: not read) through kvikio,
-        each verified against its slot's checksums; True where the chunk arrived whole. Never raises."""
-        if self.sealer is not None:  # sealed chunks are opened in host memory (`reads_into_device` is False)
-            return [False] * len(keys)
-        t0 = time.monotonic()
-        self._reading(1)
-        asked, keys = keys, [self.namespace.qualify(k) for k in keys]
-        entries = self.index.begin_read(keys)
-        verdicts: list[str | None] = [None] * len(keys)
-        served = [False] * len(keys)
-        try:
-            for i, (key, e) in enumerate(zip(keys, entries)):
-                if e is None or self.io is None:
-                    continue
-                try:
-                    d = dest(asked[i], e.meta)
-                except Exception:
-                    logger.exception("cannot place SSD chunk %s in device memory; treated as a miss", key)
-                    d = None
-                if d is None:
-                    continue
-                verdicts[i] = self.io.read_into_device(SlotRead(key, e.slot, e.gen, e.meta, e.seg, memoryview(b"")), d)
-                served[i] = verdicts[i] is None
-        finally:
-            self.index.end_read(keys, entries, verdicts, served)
-            self._reading(-1)
-        M.SSD_READ_SECONDS.observe(time.monotonic() - t0)
-        return served
-
-    # ------------------------------------------------------------------ prepared slots
-    def _reading(self, delta: int) -> None:
-        with self._activity:
-            self._reads_active += delta
-            self._last_io = time.monotonic()
-
-    def _idle(self) -> bool:
-        return (not self._closed and self._reads_active <= 0 and self.queue.inflight_bytes == 0
-                and time.monotonic() - self._last_io >= PREPARE_IDLE_S)
-
-    def _prepare_loop(self) -> None:
-        """`prepare_slots`: zero the slot files up to the capacity while the tier is idle, one claimed step at a
-        time, stopping between requests as soon as a read or write arrives. A full disk or an I/O error ends it
-        (logged once; the tier grows with fallocate as without it)."""
-        files = self.io.files
-        step = max(1, PREPARE_STEP_BYTES // self.slot_size)
-        t0, before, zeroed = time.monotonic(), files.allocated_slots(), 0
-        try:
-            while True:
-                if self._closed:
-                    return
-                if not self._idle():
-                    self._wake.wait(PREPARE_IDLE_S / 2)
-                    continue
-                job = files.begin_preparation(self.index.capacity, step)
-                if job is None:
-                    break  # every file holds its share of the capacity
-                reached = files.zero_fill(job, self._idle)
-                files.end_preparation(job, reached)
-                zeroed += reached - job.first
-                M.SSD_PREPARED_BYTES.inc((reached - job.first) * self.slot_size)
-        except OSError as e:
-            logger.warning("SSD tier: preparing slot files under %s stopped after %.1f GiB (%s); new slots are "
-                           "fallocated as they are needed", self.directory, zeroed * self.slot_size / (1 << 30), e)
-            return
-        except Exception:
-            logger.exception("SSD tier: preparing slot files failed; new slots are fallocated as they are needed")
-            return
-        self.prepared_event.set()
-        if zeroed:
-            logger.info("SSD tier at %s: slot files prepared (%.1f GiB of zeros written in %.0f s while idle; %d "
-                        "slots were there before)", self.directory, zeroed * self.slot_size / (1 << 30),
-                        time.monotonic() - t0, before)
-
-    def wait_prepared(self, timeout: float | None = None) -> bool:
-        """With `prepare_slots`: wait until the slot files hold the whole capacity (True) or `timeout` passes."""
-        return self._preparer is not None and self.prepared_event.wait(timeout)
-
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, drain: bool = True) -> None:
         """Stop the tier. `drain`: every queued write is written first; otherwise the writes no writer holds yet
@@ -739,28 +313,3 @@ class SSDTier:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
-
-
-def _unstorable(key: str, meta: ChunkMeta, buf: memoryview, room: int, seg: int) -> str | None:
-    """Why a chunk cannot be stored (None: it can): too large for a slot or its header, or invalid (a key that
-    is not valid UTF-8, such as a lone surrogate; metadata msgpack cannot encode). Never raises."""
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"invalid key ({e.reason} at character {e.start})"
-    if meta.nbytes > room:
-        return f"larger than a {room}-byte slot"
-    if len(buf) < meta.nbytes:
-        return f"invalid buffer ({len(buf)} bytes for a {meta.nbytes}-byte chunk)"
-    try:
-        fits = header_fits(key, tuple(meta.shape), meta.dtype, meta.fmt, meta.nbytes, seg, meta.extra)
-    except (TypeError, ValueError, OverflowError) as e:
-        return f"invalid metadata ({type(e).__name__}: {e})"
-    return None if fits else f"its key and shape do not fit the {HEADER_SIZE}-byte slot header"
-
-
-def _safe_release(release: Callable[[Any], None], handle: Any) -> None:
-    try:
-        release(handle)
-    except Exception:
-        logger.exception("releasing a staging buffer failed")

@@ -58,9 +58,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvtier.compat import guard
 from kvtier.identity.model import ModelFingerprint, config_digest, read_config, weights_identity
 from kvtier.storage_backends import metrics as M
+from kvtier.storage_backends.base import ChunkMeta, ChunkTier
 from kvtier.storage_backends.config import ConfigError, parse_adapter_params
 from kvtier.storage_backends.ssd.directory import prepare_directory
-from kvtier.storage_backends.ssd.tier import ChunkMeta, SSDTier
 from kvtier.storage_backends.vllm_offload import SUBDIR, tier_directory
 
 logger = logging.getLogger(__name__)
@@ -144,8 +144,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
         fmt = self.layout.fmt
         self.fingerprint = self.layout.fingerprint(cfg.model_identity)
         logger.info("kvtier secondary tier '%s': KV identity %s", tier_type, self.fingerprint.describe())
-        self.tier = SSDTier(cfg, self.block_size_bytes, layout_ok=lambda meta: meta.fmt == fmt,
-                            subdir=f"{SUBDIR}/{self.layout.directory_name}", namespace=self.fingerprint.namespace)
+        from kvtier.storage_backends.ssd.tier import SSDTier
+
+        self.tier: ChunkTier = SSDTier(cfg, self.block_size_bytes, layout_ok=lambda meta: meta.fmt == fmt,
+                                       subdir=f"{SUBDIR}/{self.layout.directory_name}",
+                                       namespace=self.fingerprint.namespace)
         self._write_layout_file()
         self._meta = ChunkMeta(nbytes=self.block_size_bytes, shape=(self.block_size_bytes,), dtype="uint8", fmt=fmt)
         self._lock = threading.Lock()
