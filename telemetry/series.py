@@ -15,7 +15,7 @@ import bisect
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -43,7 +43,7 @@ class Series:
         if parent is None:
             _SERIES.append(self)
 
-    def labels(self, *values: Any) -> Series:
+    def labels(self, *values: Any) -> Self:
         values = tuple(str(v) for v in values)
         return type(self)(self.prom.labels(*values), "", self.doc, self.labelnames, values, parent=self)
 

@@ -328,7 +328,7 @@ class SlotIndex:
         now = self.clock()
 
         def evictable(k: Hashable) -> bool:
-            e = self._entries.get(k)  # type: ignore[arg-type]
+            e = self._entries.get(k)  # type: ignore[call-overload]  # (the index's keys are str)
             return e is not None and e.readers == 0 and not self._pinned(e, now)
 
         foreign = next((k for k in self._foreign if evictable(k)), None)

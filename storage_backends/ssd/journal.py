@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.storage_backends.ssd.posix_io import fsync_dir, open_nofollow
@@ -61,7 +62,7 @@ class Journal:
             self.record_bytes = max(self.record_bytes, -(-dec.valid_end // len(dec.records)))
         return JournalLoad(dec.records, sum(b - a for a, b in dec.damaged), len(dec.damaged), cut)
 
-    def append(self, records: list[JournalRecord], *, sync: bool) -> None:
+    def append(self, records: Sequence[JournalRecord], *, sync: bool) -> None:
         """Append records (one write) and fsync them if `sync`. Raises OSError (ENOSPC...)."""
         if not records:
             return
@@ -80,7 +81,7 @@ class Journal:
         if sync:
             os.fsync(self._fd)
 
-    def compact(self, live: list[JournalRecord]) -> None:
+    def compact(self, live: Sequence[JournalRecord]) -> None:
         """Replace the journal by `live` atomically. Raises OSError; the old journal then stays as it was."""
         tmp = self.path + ".tmp"
         with contextlib.suppress(FileNotFoundError):

@@ -85,7 +85,7 @@ class KvikioFiles:
 
         self._kvikio = kvikio
         kvikio.defaults.set({"num_threads": max(1, num_threads)})
-        self._files: dict[str, object] = {}
+        self._files: dict[str, Any] = {}  # kvikio CuFile handles
         self._lock = threading.Lock()
         logger.info("kvikio ready: compat_mode=%s, num_threads=%s", kvikio.defaults.get("compat_mode"),
                     kvikio.defaults.get("num_threads"))

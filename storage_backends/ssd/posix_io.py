@@ -116,7 +116,7 @@ def _probe_by_reading(directory: str, full: OSError) -> str | None:
         finally:
             os.close(fd)
         return None
-    code = errno.errorcode.get(full.errno, str(full.errno))
+    code = errno.errorcode.get(full.errno or 0, str(full.errno))
     return (f"{full.strerror} ({code}): the disk is full, so the probe could not write, and no file there to read "
             "with O_DIRECT instead; cannot tell")
 

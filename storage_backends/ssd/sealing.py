@@ -21,6 +21,7 @@ import collections
 import hashlib
 import os
 import threading
+from typing import Any
 
 from kvtier.storage_backends.base import ChunkMeta
 from kvtier.storage_backends.ssd.posix_io import aligned_buffer
@@ -117,7 +118,7 @@ class ChunkSealer:
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-        sealed = meta.extra.get(SEALED) if isinstance(meta.extra, dict) else None
+        sealed: Any = meta.extra.get(SEALED) if isinstance(meta.extra, dict) else None
         try:
             nonce, tag = bytes.fromhex(sealed[0]), bytes.fromhex(sealed[1])
             dec = Cipher(algorithms.AES(self._key(tier_key)), modes.GCM(nonce, tag)).decryptor()

@@ -57,8 +57,9 @@ class TierReads:
             dests: list[tuple[memoryview, Any] | None] = [self._stage(k, e, alloc, release)
                                                           for k, e in zip(asked, entries)]
             todo = [i for i, d in enumerate(dests) if d is not None]
-            reads = [SlotRead(keys[i], entries[i].slot, entries[i].gen, entries[i].meta, entries[i].seg,
-                              dests[i][0]) for i in todo]  # type: ignore[union-attr,index]
+            reads = [SlotRead(keys[i], entries[i].slot, entries[i].gen,  # type: ignore[union-attr]
+                              entries[i].meta, entries[i].seg, dests[i][0])  # type: ignore[union-attr,index]
+                     for i in todo]  # (staged: an entry and a destination)
             opening: dict[int, Any] = {}  # sealed chunks are opened as each arrives, while later ones still read
 
             def open_now(j: int) -> None:
@@ -142,7 +143,7 @@ class TierReads:
                 if e is None or self.io is None:
                     continue
                 try:
-                    d = dest(asked[i], e.meta)
+                    d = dest(asked[i], e.meta)  # type: ignore[arg-type]  # (a replayed record has its fields)
                 except Exception:
                     logger.exception("cannot place SSD chunk %s in device memory; treated as a miss", key)
                     d = None
