@@ -53,7 +53,6 @@ DEBT_IMPORTS = {
 DEBT_LINES = {
     "kvtier.storage_backends.ssd.tier": 766,
     "kvtier.connector.worker_side": 651,
-    "kvtier.storage_backends.lmcache.mp_adapter": 610,
 }
 
 
