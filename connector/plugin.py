@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 
+from kvtier.compat.vllm_connector_registry import is_registered
+
 logger = logging.getLogger(__name__)
 
 NAME = "KVTierConnector"
@@ -36,12 +38,13 @@ def attach_vllm_logging() -> bool:
 
 
 def register() -> None:
+    """Register kvtier's connector with vLLM (once per process) and route kvtier's log lines through vLLM's."""
     attach_vllm_logging()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except Exception:  # pragma: no cover - vLLM without KV transfer
         logger.debug("kvtier: vLLM's KVConnectorFactory is unavailable; connector not registered")
         return
-    if NAME in getattr(KVConnectorFactory, "_registry", {}):
+    if is_registered(KVConnectorFactory, NAME):
         return
     KVConnectorFactory.register_connector(NAME, "kvtier.connector.kvtier_connector", NAME)

@@ -34,8 +34,9 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from kvtier.compat import guard
-from kvtier.storage_backends.base import ChunkMeta, ChunkTier
+from kvtier.storage_backends.base import ChunkMeta, ChunkTier, HostTier
 from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
+from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin, run_before_host_closes
 from kvtier.storage_backends.lmcache.host_pool import HostPoolWatch
 from kvtier.storage_backends.lmcache.kv_identity import plugin_fingerprint, under_kvtier_connector
 from kvtier.storage_backends.shared.config import remote_configured
@@ -295,14 +296,13 @@ class KVTierBackend(StoragePluginInterface):
 CLOSE_FLUSH_S = 10.0
 
 
-def _end_writes_before_pool_closes(local_cpu_backend: Any, tier: ChunkTier) -> None:
+def _end_writes_before_pool_closes(local_cpu_backend: HostTier, tier: ChunkTier) -> None:
     """LMCache's StorageManager closes its backends in order, LocalCPUBackend first, and that close frees the host
     pool (`MixedMemoryAllocator.close` unmaps it) while this plugin's queued SSD writes still read chunks there:
     a writer then crashed the process in the CRC, or could have written reused memory. So the SSD tier's writes
     end (flushed for up to CLOSE_FLUSH_S, the rest dropped and counted) before LocalCPUBackend's own close runs."""
-    close_pool = local_cpu_backend.close
 
-    def close() -> None:
+    def end_writes() -> None:
         try:
             if not tier.flush(timeout=CLOSE_FLUSH_S):
                 logger.warning("LMCache is closing its host tier with SSD writes still queued after %.0f s; "
@@ -310,9 +310,8 @@ def _end_writes_before_pool_closes(local_cpu_backend: Any, tier: ChunkTier) -> N
             tier.close(drain=False)
         except Exception:
             logger.exception("ending the SSD tier's writes before LMCache's host pool closes failed")
-        close_pool()
 
-    local_cpu_backend.close = close
+    run_before_host_closes(local_cpu_backend, end_writes)
 
 
 def load_lmcache_config(path: str | None = None, overrides: dict[str, Any] | None = None):
@@ -322,9 +321,7 @@ def load_lmcache_config(path: str | None = None, overrides: dict[str, Any] | Non
     return load_engine_config_with_overrides(config_file_path=path, overrides=overrides)
 
 
-def kvtier_backend(engine):
-    """The KVTierBackend instance inside an engine (None if LMCache did not load it)."""
-    for b in engine.storage_manager.storage_backends.values():
-        if isinstance(b, KVTierBackend):
-            return b
-    return None
+def kvtier_backend(engine: Any) -> KVTierBackend | None:
+    """The KVTierBackend instance inside an engine (None if LMCache did not load it): `engine_access.kvtier_plugin`,
+    under the name tests and tools use."""
+    return kvtier_plugin(engine)

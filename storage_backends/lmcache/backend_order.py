@@ -4,27 +4,28 @@ remote backends, so LMCache's own lookups and retrieves read the local SSD tier 
 LMCache (0.5.5, 0.5.6, the versions the matrix tests) keeps a `StorageManager.storage_backends` OrderedDict, builds
 storage plugins after remote backends, and gives a plugin no handle on its manager; this module finds the manager
 (`owning_storage_manager`, through `LMCacheEngineBuilder`'s registry), swaps in the local-first order under the
-manager's lock (`arrange_local_first`), and keeps doing so for a plugin on its own (`LocalFirstOrder`). The shared
-tier (`kvtier.storage_backends.shared.tier`) uses `remote_backends` to find the store it wraps.
+manager's lock (`arrange_local_first`), and keeps doing so for a plugin on its own (`LocalFirstOrder`). What it
+reaches into LMCache for (the manager, its lock, the swap) is in `engine_access`; this module holds the rule.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 import time
 from typing import Any
 
+from kvtier.storage_backends.lmcache.engine_access import (
+    Backends,
+    engine_storage_manager,
+    is_remote_backend,
+    owning_storage_manager,
+    swap_backend_order,
+    unwrapped,
+)
+
 logger = logging.getLogger(__name__)
-
-
-def remote_backends(engine: Any) -> list[tuple[str, Any]]:
-    """(name, backend) of every LMCache RemoteBackend of an engine, in LMCache's order."""
-    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
-
-    return [(n, b) for n, b in engine.storage_manager.storage_backends.items() if isinstance(b, RemoteBackend)]
 
 
 def arrange_local_first(engine: Any) -> bool:
@@ -32,65 +33,34 @@ def arrange_local_first(engine: Any) -> bool:
     own lookups and retrieves ask the local SSD tier before the network. The plugin does this itself
     (`LocalFirstOrder`); this is for code that holds the engine and wants it done at once. Returns whether anything
     moved."""
-    return bool(_arrange_local_first_in(engine.storage_manager, blocking=True))
+    return bool(_arrange_local_first_in(engine_storage_manager(engine), blocking=True))
 
 
-def _unwrapped(backend: Any) -> Any:
-    """The backend itself, out of LMCache's `AuditBackend` wrapper (`audit_backend_enabled`) where it is in one."""
-    from lmcache.v1.storage_backend.audit_backend import AuditBackend
-
-    return backend.real_backend if isinstance(backend, AuditBackend) else backend
-
-
-def _local_first_order(backends: collections.OrderedDict[str, Any]) -> collections.OrderedDict[str, Any] | None:
+def _local_first_order(backends: Backends) -> Backends | None:
     """`backends` with kvtier's plugin(s) moved just ahead of the first remote backend (every other backend keeps
     its place and order), or None when they already stand before every remote backend (or either is absent)."""
-    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
-
     from kvtier.storage_backends.lmcache.backend import KVTierBackend
 
     names = list(backends)
-    remote = [i for i, n in enumerate(names) if isinstance(_unwrapped(backends[n]), RemoteBackend)]
-    mine = [i for i, n in enumerate(names) if isinstance(_unwrapped(backends[n]), KVTierBackend)]
+    remote = [i for i, n in enumerate(names) if is_remote_backend(backends[n])]
+    mine = [i for i, n in enumerate(names) if isinstance(unwrapped(backends[n]), KVTierBackend)]
     if not remote or not mine or max(mine) < remote[0]:
         return None
     order = names[:remote[0]] + [names[i] for i in mine if i > remote[0]]
     order += [n for i, n in enumerate(names[remote[0]:], remote[0]) if i not in mine]
-    return collections.OrderedDict((n, backends[n]) for n in order)
+    return Backends((n, backends[n]) for n in order)
 
 
 def _arrange_local_first_in(manager: Any, blocking: bool) -> bool | None:
-    """`arrange_local_first` on a StorageManager; None when `blocking` is False and its lock is busy.
-
-    The new order is a new dict swapped in under `manager_lock`, never the old one reordered in place: LMCache walks
-    `storage_backends` without that lock (on engine threads and on its event loop), and an OrderedDict moved during
-    a walk raises `RuntimeError: OrderedDict mutated during iteration` there; a walk under way finishes on the old
-    dict."""
-    if not manager.manager_lock.acquire(blocking=blocking):
+    """`arrange_local_first` on a StorageManager; None when `blocking` is False and its lock is busy (the swap:
+    `engine_access.swap_backend_order`)."""
+    swapped = swap_backend_order(manager, _local_first_order, blocking)
+    if swapped is None:
         return None
-    try:
-        order = _local_first_order(manager.storage_backends)
-        if order is None:
-            return False
-        manager.storage_backends = order
-        manager.non_allocator_backends = manager.get_non_allocator_backends()
-    finally:
-        manager.manager_lock.release()
-    logger.info("kvtier: LMCache backend order is now %s (local tiers before the shared store)", list(order))
-    return True
-
-
-def owning_storage_manager(backend: Any) -> Any:
-    """The StorageManager whose backends include `backend` (by identity), among the engines of LMCache's
-    `LMCacheEngineBuilder` (how vLLM's LMCacheConnectorV1 and kvtier's connector build them); None if none does yet.
-    LMCache hands a storage plugin no handle on its manager; the builder's registry is the one place holding it."""
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
-    for engine in list(LMCacheEngineBuilder._instances.values()):
-        manager = engine.storage_manager
-        if manager is not None and any(_unwrapped(b) is backend for b in list(manager.storage_backends.values())):
-            return manager
-    return None
+    moved, order = swapped
+    if moved:
+        logger.info("kvtier: LMCache backend order is now %s (local tiers before the shared store)", order)
+    return moved
 
 
 class LocalFirstOrder:

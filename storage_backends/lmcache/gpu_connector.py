@@ -78,14 +78,14 @@ def is_page_first(memory_obj: MemoryObj) -> bool:
 def retag_chunk(memory_obj: MemoryObj, fmt: MemoryFormat, shape: Sequence[int]) -> None:
     """Record ``fmt`` and ``shape`` on a memory object (same number of elements as it was allocated with)."""
     meta = memory_obj.metadata
-    shape = torch.Size(int(s) for s in shape)
-    if shape.numel() != meta.shape.numel():
-        raise PageFormatMismatch(f"cannot re-tag a {tuple(meta.shape)} chunk as {tuple(shape)}")
+    size = torch.Size(int(s) for s in shape)
+    if size.numel() != meta.shape.numel():
+        raise PageFormatMismatch(f"cannot re-tag a {tuple(meta.shape)} chunk as {tuple(size)}")
     if meta.shapes is not None and len(meta.shapes) > 1:
         raise PageFormatMismatch("multi-group (hybrid) chunks are not supported in page-first layout")
-    meta.shape = shape
+    meta.shape = size
     if meta.shapes is not None:
-        meta.shapes = [shape]
+        meta.shapes = [size]
     meta.fmt = fmt
 
 
@@ -200,7 +200,7 @@ class PageFirstGPUConnector(GPUConnectorInterface):
     ) -> None:
         if memory_objs is None or starts is None or ends is None:
             raise LayoutError("the page-first connector is not layerwise: pass memory_objs, starts and ends")
-        objs = self._flat_objs(memory_objs)  # type: ignore[arg-type]
+        objs = self._flat_objs(memory_objs)
         for obj, start, end in zip(objs, starts, ends, strict=True):
             self.check_chunk(obj, end - start)
         self.scatter_pages([self.host_region(obj) for obj in objs], starts, ends, **kwargs)

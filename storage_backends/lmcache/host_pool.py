@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.storage_backends import metrics as M
+from kvtier.storage_backends.base import HostTier
+from kvtier.storage_backends.lmcache.engine_access import hook_host_allocators
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class HostPoolWatch:
     #: failed allocations further apart than this start a new episode (and a new log line)
     QUIET_S = 30.0
 
-    def __init__(self, local_cpu_backend: Any, pool_gb: float | None) -> None:
+    def __init__(self, local_cpu_backend: HostTier, pool_gb: float | None) -> None:
         self.backend = local_cpu_backend
         self.pool_gb = pool_gb
         self.failures = 0
@@ -70,23 +72,21 @@ class HostPoolWatch:
         self._last_failure: float | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._allocate = local_cpu_backend.allocate
-        self._batched_allocate = local_cpu_backend.batched_allocate
-        # instance attributes: LMCache's storage manager and kvtier's plugin call the pool through them
-        local_cpu_backend.allocate = self.allocate
-        local_cpu_backend.batched_allocate = self.batched_allocate
+        # LMCache's storage manager and kvtier's plugin call the pool through these from now on
+        self._allocate, self._batched_allocate = hook_host_allocators(local_cpu_backend, self.allocate,
+                                                                      self.batched_allocate)
         for name in _LMCACHE_NOISE:
             lg = logging.getLogger(name)
             if _FILTER not in lg.filters:
                 lg.addFilter(_FILTER)
 
     # ------------------------------------------------------------------ the pool's entry points
-    def allocate(self, *args: Any, **kwargs: Any):
+    def allocate(self, *args: Any, **kwargs: Any) -> Any:
         obj = self._allocate(*args, **kwargs)
         self._record(1 if obj is not None else 0, 0 if obj is not None else 1, kwargs)
         return obj
 
-    def batched_allocate(self, *args: Any, **kwargs: Any):
+    def batched_allocate(self, *args: Any, **kwargs: Any) -> list[Any] | None:
         objs = self._batched_allocate(*args, **kwargs)
         n = int(kwargs.get("batch_size", args[2] if len(args) > 2 else 1))
         self._record(n if objs is not None else 0, 0 if objs is not None else n, kwargs)

@@ -32,7 +32,8 @@ O_DIRECT/kvikio, back-pressure). What it adds is LMCache's contract (`L2AdapterI
 
 Threads: LMCache's store and prefetch controllers call in concurrently; the adapter never calls the tier while
 holding its own lock, and the tier's callbacks (under the tier's lock) only record events, which a separate
-thread hands to LMCache's listeners.
+thread hands to LMCache's listeners (`mp_events.EventRelay`). The slot-size record is `mp_config`'s, the keys and
+their listing `mp_keys`'.
 """
 
 from __future__ import annotations
@@ -43,24 +44,17 @@ from kvtier.compat.guard import COMPONENT_MP_ADAPTER
 require_lmcache(COMPONENT_MP_ADAPTER)  # before LMCache's imports: without LMCache, one line naming kvtier[lmcache]
 
 import collections
-import json
 import logging
 import os
 import queue
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap
-from lmcache.v1.distributed.api import (
-    EncodedObjectKey,
-    KeyEntry,
-    KeyListPage,
-    MemoryLayoutDesc,
-    ObjectKey,
-)
+from lmcache.v1.distributed.api import KeyListPage, MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.memory_management import MemoryObj
@@ -71,28 +65,31 @@ from kvtier.storage_backends import metrics as M
 from kvtier.storage_backends.base import ChunkMeta, ChunkTier
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.lmcache.mp_config import (
+    LAYOUT_FILE,
     KVTierL2AdapterConfig,
     adapter_key_names,
     claim_directory,
+    record_chunk_bytes,
+    saved_chunk_bytes,
     show_logs,
 )
+from kvtier.storage_backends.lmcache.mp_events import EventRelay
 from kvtier.storage_backends.lmcache.mp_keys import (
     Layout,
     ModelWeights,
     desc_bytes,
+    key_page,
     key_string,
     meta_ok,
     parse_key_string,
     parse_key_weights,
 )
-from kvtier.storage_backends.ssd.directory import read_small_file, write_small_file
 from kvtier.storage_backends.ssd.tier import SSDTier
 
 logger = logging.getLogger(__name__)
 
 #: the tier's directory under ssd_path (kept apart from the in-process plugin's worker<r>-of-<w> directories)
 SUBDIR = "lmcache-mp"
-LAYOUT_FILE = "layout.json"
 _LOAD_THREADS = 2
 
 
@@ -103,14 +100,6 @@ class _StoreTask:
     left: int
     ok: bool = True
     bytes_written: int = 0
-
-
-@dataclass
-class _Events:
-    """Tier callbacks record here (under the tier's lock); the events thread hands them to LMCache."""
-
-    stored: list[tuple[ObjectKey, int]] = field(default_factory=list)
-    deleted: list[tuple[ObjectKey, int]] = field(default_factory=list)
 
 
 class KVTierL2Adapter(L2AdapterInterface):
@@ -139,9 +128,8 @@ class KVTierL2Adapter(L2AdapterInterface):
         self._done_loads: dict[L2TaskId, Bitmap] = {}
         self._writing: dict[str, list[_StoreTask]] = {}  # keys whose put is queued -> tasks also waiting on it
         self._sizes: dict[str, int] = {}  # committed chunks -> the size reported to LMCache
-        self._events = _Events()
-        self._events_cond = threading.Condition()
-        self._notify_lock = threading.Lock()  # keeps stored/deleted notifications in order
+        #: the tier's callbacks record stored/deleted chunks there; its thread tells LMCache's listeners
+        self._relay = EventRelay(self._notify_keys_stored, self._notify_keys_deleted)
         self._warned_too_large = False
         self._closed = False
         #: model name -> fingerprint of its weights (part of every key)
@@ -152,16 +140,15 @@ class KVTierL2Adapter(L2AdapterInterface):
         self._store_q: queue.Queue = queue.Queue()
         self._loads = ThreadPoolExecutor(max_workers=_LOAD_THREADS, thread_name_prefix="kvtier-mp-load")
         self._store_thread = threading.Thread(target=self._store_loop, name="kvtier-mp-store", daemon=True)
-        self._events_thread = threading.Thread(target=self._events_loop, name="kvtier-mp-events", daemon=True)
         try:
-            saved = self._saved_chunk_bytes()
+            saved = saved_chunk_bytes(self.directory)
             if saved is not None:  # a restart: the previous run's chunks are served from the start
                 self._open_tier(saved, strict=True)
         except BaseException:
             self._release_resources()
             raise
         self._store_thread.start()
-        self._events_thread.start()
+        self._relay.start()
         logger.info("kvtier L2 adapter at %s (%.3g GiB, eviction %s): %s", self.directory, cfg.ssd_capacity_gb,
                     cfg.eviction_policy, f"{len(self._tier)} chunks of a previous run" if self._tier is not None
                     else "the tier opens with the first chunk size seen")
@@ -200,23 +187,7 @@ class KVTierL2Adapter(L2AdapterInterface):
         n = tier.demote([s for s, _ in stale])
         logger.warning("kvtier L2 adapter: %d chunk(s) %s are never served; they are reclaimed first", n, what)
         if gone:
-            with self._events_cond:
-                self._events.deleted.extend(gone)
-                self._events_cond.notify()
-
-    def _saved_chunk_bytes(self) -> int | None:
-        path = os.path.join(self.directory, LAYOUT_FILE)
-        try:
-            data = read_small_file(path)
-            if data is None:
-                return None
-            n = int(json.loads(data)["chunk_bytes"])
-            if n <= 0:
-                raise ValueError(n)
-            return n
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"adapter_params.ssd_path: {path} is unreadable ({e}); it records the slot size of "
-                              f"the chunks under {self.directory}: restore it, or empty that directory") from None
+            self._relay.deleted(gone)
 
     def _open_tier(self, chunk_bytes: int, strict: bool = False) -> ChunkTier | None:
         """Open the tier for chunks of `chunk_bytes`. A configuration that cannot hold them raises at start
@@ -233,9 +204,7 @@ class KVTierL2Adapter(L2AdapterInterface):
                 logger.error("kvtier L2 adapter cannot open its SSD tier: %s; it stores and serves nothing",
                              self.open_error)
                 return None
-            path = os.path.join(self.directory, LAYOUT_FILE)
-            if read_small_file(path) is None:
-                write_small_file(path, json.dumps({"chunk_bytes": chunk_bytes}).encode())
+            record_chunk_bytes(self.directory, chunk_bytes)
             recovered: list[tuple[ObjectKey, int]] = []
             old_format: list[tuple[str, ObjectKey | None]] = []
             present = tier.keys()
@@ -357,9 +326,7 @@ class KVTierL2Adapter(L2AdapterInterface):
                 if ok:
                     self._sizes[s] = nbytes
             if ok:
-                with self._events_cond:
-                    self._events.stored.append((key, nbytes))
-                    self._events_cond.notify()
+                self._relay.stored([(key, nbytes)])
             self._resolve(task, ok, nbytes if ok else 0)
             for t in others:
                 self._resolve(t, ok, 0)
@@ -486,9 +453,7 @@ class KVTierL2Adapter(L2AdapterInterface):
         with self._lock:
             size = self._sizes.pop(s, None)
         if key is not None and size is not None:
-            with self._events_cond:
-                self._events.deleted.append((key, size))
-                self._events_cond.notify()
+            self._relay.deleted([(key, size)])
 
     def delete(self, keys: list[ObjectKey]) -> None:
         tier = self._tier
@@ -506,26 +471,12 @@ class KVTierL2Adapter(L2AdapterInterface):
             raise ValueError(f"malformed cursor {cursor!r}")
         with self._lock:
             items = sorted(self._sizes.items())
-        entries: list[KeyEntry] = []
-        last = None
-        for s, size in items:
-            if cursor is not None and s <= cursor:
-                continue
-            k = parse_key_string(s)
-            if k is None or (model_name is not None and k.model_name != model_name):
-                continue
-            if len(entries) == page_size:
-                return KeyListPage(tuple(entries), last)
-            entries.append(KeyEntry(EncodedObjectKey(k.chunk_hash.hex(), k.model_name, k.kv_rank,
-                                                     k.object_group_id, k.cache_salt), size))
-            last = s
-        return KeyListPage(tuple(entries), None)
+        return key_page(items, model_name, page_size, cursor)
 
     def report_status(self) -> dict:
         tier = self._tier
         st: dict[str, Any] = {
-            "is_healthy": self.open_error is None and self._store_thread.is_alive()
-            and self._events_thread.is_alive(),
+            "is_healthy": self.open_error is None and self._store_thread.is_alive() and self._relay.alive,
             "type": "KVTierL2Adapter",
             "ssd_path": self.directory,
             "capacity_bytes": self.kvtier_config.capacity_bytes,
@@ -539,27 +490,9 @@ class KVTierL2Adapter(L2AdapterInterface):
                       max_slots=tier.max_slots, io_engine=tier.io_engine, stats=tier.stats.as_dict())
         return st
 
-    # ------------------------------------------------------------------ events thread
-    def _events_loop(self) -> None:
-        while True:
-            with self._events_cond:
-                while not (self._events.stored or self._events.deleted or self._closed):
-                    self._events_cond.wait()
-                if self._closed and not (self._events.stored or self._events.deleted):
-                    return
-            self._deliver_events()
-
     def _deliver_events(self) -> None:
-        with self._notify_lock:
-            with self._events_cond:
-                ev, self._events = self._events, _Events()
-            try:
-                if ev.stored:
-                    self._notify_keys_stored([k for k, _ in ev.stored], [n for _, n in ev.stored])
-                if ev.deleted:
-                    self._notify_keys_deleted([k for k, _ in ev.deleted], [n for _, n in ev.deleted])
-            except Exception:
-                logger.exception("an LMCache L2 listener failed")
+        """Tell LMCache's listeners of the stored and deleted chunks recorded so far, now."""
+        self._relay.deliver()
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self, timeout: float | None = None) -> bool:
@@ -588,10 +521,7 @@ class KVTierL2Adapter(L2AdapterInterface):
         self._loads.shutdown(wait=True)
         if tier is not None:
             tier.close()
-        with self._events_cond:
-            self._closed = True
-            self._events_cond.notify_all()
-        self._events_thread.join()
+        self._relay.close()
         self._release_resources()
         logger.info("kvtier L2 adapter closed")
 

@@ -1,9 +1,11 @@
 """Configuration and start-up of the multiprocess-mode L2 adapter: `adapter_params` parsed strictly
 (`KVTierL2AdapterConfig`), settings named as the user wrote them (`adapter_params.<key>`), kvtier's log lines made
-visible under `lmcache server`, and the adapter's directory claimed (created, checked, locked) at start."""
+visible under `lmcache server`, the adapter's directory claimed (created, checked, locked) at start, and the slot size
+its chunks were stored at recorded there (`LAYOUT_FILE`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -18,9 +20,14 @@ from kvtier.storage_backends.ssd.directory import (
     DirectoryInUse,
     lock_directory,
     prepare_directory,
+    read_small_file,
+    write_small_file,
 )
 
 logger = logging.getLogger(__name__)
+
+#: the file under the adapter's directory that records its chunks' slot size (LMCache hands an adapter none)
+LAYOUT_FILE = "layout.json"
 
 
 class KVTierL2AdapterConfig(L2AdapterConfigBase):
@@ -109,3 +116,26 @@ def claim_directory(ssd_path: str, directory: str, o_direct: bool) -> int:
             os.close(fd)
             raise
     return fd
+
+
+def saved_chunk_bytes(directory: str) -> int | None:
+    """The chunk size a previous run opened the tier with (None: a first start); a ConfigError if unreadable."""
+    path = os.path.join(directory, LAYOUT_FILE)
+    try:
+        data = read_small_file(path)
+        if data is None:
+            return None
+        n = int(json.loads(data)["chunk_bytes"])
+        if n <= 0:
+            raise ValueError(n)
+        return n
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"adapter_params.ssd_path: {path} is unreadable ({e}); it records the slot size of "
+                          f"the chunks under {directory}: restore it, or empty that directory") from None
+
+
+def record_chunk_bytes(directory: str, chunk_bytes: int) -> None:
+    """Record the chunk size the tier opens with (once: a recorded size is kept)."""
+    path = os.path.join(directory, LAYOUT_FILE)
+    if read_small_file(path) is None:
+        write_small_file(path, json.dumps({"chunk_bytes": chunk_bytes}).encode())

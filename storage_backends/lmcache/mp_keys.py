@@ -1,6 +1,7 @@
 """Keys and layouts of LMCache multiprocess-mode objects in kvtier's SSD tier: an `ObjectKey` with the fingerprint
 of its model's weights as a reversible string (`key_string` / `parse_key_string`), the fingerprints themselves
-(`ModelWeights`), and the `Layout` a stored chunk and its destination buffer must share.
+(`ModelWeights`), the `Layout` a stored chunk and its destination buffer must share, and the pages of LMCache's key
+listing (`key_page`).
 
 LMCache's MP keys carry the model's name (vLLM's model path or id), the KV rank, the object group, the chunk hash
 and the request's cache salt, but nothing of the weights: a model updated in place keeps its name. The adapter adds
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.api import EncodedObjectKey, KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from kvtier.identity.model import config_digest, read_config, weights_identity
@@ -110,8 +111,8 @@ class Layout:
         try:
             shapes = meta.extra.get("shapes", [meta.shape])
             dtypes = meta.extra.get("dtypes", [meta.dtype])
-            return Layout(int(meta.nbytes), tuple(tuple(int(x) for x in s) for s in shapes),  # type: ignore[union-attr]
-                          tuple(str(d) for d in dtypes), str(meta.fmt))  # type: ignore[union-attr]
+            return Layout(int(meta.nbytes), tuple(tuple(int(x) for x in s) for s in shapes),
+                          tuple(str(d) for d in dtypes), str(meta.fmt))
         except (TypeError, ValueError, AttributeError):
             return None
 
@@ -143,3 +144,24 @@ def meta_ok(meta: ChunkMeta) -> bool:
     """The tier's layout predicate: a slot whose recorded layout is not self-consistent is unusable."""
     lay = Layout.of_meta(meta)
     return lay is not None and lay.consistent()
+
+
+def key_page(items: list[tuple[str, int]], model_name: str | None, page_size: int, cursor: str | None
+             ) -> KeyListPage:
+    """One page of LMCache's key listing (`list_l2_keys`): of the stored chunks `items` ((key string, bytes),
+    sorted by key string), those after `cursor` and of `model_name` (None: every model), at most `page_size`; the
+    page's cursor is its last key string when more follow."""
+    entries: list[KeyEntry] = []
+    last = None
+    for s, size in items:
+        if cursor is not None and s <= cursor:
+            continue
+        k = parse_key_string(s)
+        if k is None or (model_name is not None and k.model_name != model_name):
+            continue
+        if len(entries) == page_size:
+            return KeyListPage(tuple(entries), last)
+        entries.append(KeyEntry(EncodedObjectKey(k.chunk_hash.hex(), k.model_name, k.kv_rank,
+                                                 k.object_group_id, k.cache_salt), size))
+        last = s
+    return KeyListPage(tuple(entries), None)

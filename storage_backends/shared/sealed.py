@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvtier.storage_backends.base import ChunkMeta
+from kvtier.storage_backends.base import ChunkMeta, HostTier
 from kvtier.storage_backends.ssd.sealing import SEALED, ChunkSealer
 
 __all__ = ["open_envelope", "seal_envelope"]
@@ -31,7 +31,7 @@ def _aad(store_key: str, layout: dict[str, Any]) -> bytes:
     return (store_key + "|" + json.dumps(layout, sort_keys=True, separators=(",", ":"))).encode()
 
 
-def seal_envelope(sealer: ChunkSealer, store_key: str, obj: Any, host: Any) -> Any | None:
+def seal_envelope(sealer: ChunkSealer, store_key: str, obj: Any, host: HostTier) -> Any | None:
     """A new host object holding `obj` sealed for the store under `store_key` (None: no host room). The caller owns
     one reference of it."""
     from lmcache.v1.memory_management import MemoryFormat
@@ -53,7 +53,7 @@ def seal_envelope(sealer: ChunkSealer, store_key: str, obj: Any, host: Any) -> A
     return env
 
 
-def open_envelope(sealer: ChunkSealer, store_key: str, env: Any, host: Any) -> Any | None:
+def open_envelope(sealer: ChunkSealer, store_key: str, env: Any, host: HostTier) -> Any | None:
     """The chunk an envelope read from the store holds, as a new host object of its own layout (the caller owns one
     reference); None if it is not an envelope, fails authentication, or finds no host room."""
     _DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8,

@@ -25,6 +25,9 @@ What this layer adds to LMCache's remote backend:
 - **Counters and metrics** (`kvtier_shared_*`).
 - **Encryption** (`kvtier.encryption_key_file`): chunks go to the store sealed, as envelopes (`shared/sealed.py`),
   under keys that name the secret's id (a replica without it, or with another, finds none of them).
+
+What this needs of LMCache's internals (the remote backend, its connector, the manager's list) it reaches through
+`storage_backends/lmcache/engine_access.py`.
 """
 
 from __future__ import annotations
@@ -39,9 +42,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.storage_backends.base import ChunkMeta
+from kvtier.storage_backends.base import ChunkMeta, HostTier
 from kvtier.storage_backends.config import ConfigError
-from kvtier.storage_backends.lmcache.backend_order import remote_backends
+from kvtier.storage_backends.lmcache.engine_access import (
+    bypass_backend,
+    close_store_client,
+    drop_backend,
+    find_host_tier,
+    remote_backends,
+    remote_serde,
+    stage_reads_without_waiting,
+    store_client,
+    store_name,
+)
 from kvtier.storage_backends.shared import metrics as M
 from kvtier.storage_backends.shared.config import SharedTierOptions
 from kvtier.storage_backends.shared.health import StoreHealth
@@ -73,28 +86,6 @@ class SharedStats:
         return dataclasses.asdict(self)
 
 
-class _NoWaitAllocator:
-    """The host tier's allocator as a connector sees it, but never busy-waiting for room: LMCache's remote
-    connectors allocate with `busy_loop=True`, which loops forever when every chunk of a full host pool is
-    pinned; here a full pool makes the read a miss instead."""
-
-    def __init__(self, host: Any) -> None:
-        self._host = host
-
-    def allocate(self, shapes, dtypes, fmt=None, eviction: bool = True, busy_loop: bool = True):
-        return self._host.allocate(shapes, dtypes, fmt, eviction=eviction, busy_loop=False)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._host, name)
-
-
-def _unwrap(conn: Any) -> Any:
-    inner = conn
-    while hasattr(inner, "getWrappedConnector"):
-        inner = inner.getWrappedConnector()
-    return inner
-
-
 def attach_shared_tier(engine: Any, layout_ok: Callable[[ChunkMeta], bool], key_tag: str,
                        options: SharedTierOptions, sealer: ChunkSealer | None = None) -> SharedTier | None:
     """The engine's remote backend as kvtier's shared tier, or None when the LMCache config names no store.
@@ -108,60 +99,21 @@ def attach_shared_tier(engine: Any, layout_ok: Callable[[ChunkMeta], bool], key_
         raise ConfigError(f"kvtier.shared: LMCache has {len(found)} remote backends ({', '.join(n for n, _ in found)});"
                           " kvtier uses one shared store: keep one of remote_url / remote_storage_plugins")
     name, remote = found[0]
-    serde = getattr(engine.config, "remote_serde", "naive")
+    serde = remote_serde(engine)
     if serde not in (None, "naive"):
         raise ConfigError(f"kvtier.shared: remote_serde is {serde!r}; kvtier stores chunks as they are in host "
                           "memory (it checks their layout on every read): set remote_serde: naive")
-    host = engine.storage_manager.storage_backends.get("LocalCPUBackend")
+    host = find_host_tier(engine)
     if host is None:
         raise ConfigError("kvtier.shared needs LMCache's host tier (local_cpu: true) to stage shared chunks")
-    sm = engine.storage_manager
-    sm.set_backend_bypass(name, True)  # kvtier, not LMCache's walk, decides when to use it
+    bypass_backend(engine, name)  # kvtier, not LMCache's walk, decides when to use it
 
     def detach() -> None:  # LMCache then never calls the backend's close (see SharedTier.close)
-        with sm.manager_lock:
-            sm.storage_backends.pop(name, None)
+        drop_backend(engine, name)
 
     tier = SharedTier(remote, host, layout_ok, key_tag, options, detach=detach, sealer=sealer)
     tier.start()
     return tier
-
-
-def close_remote_connection(remote: Any, inner: Any = None, loop: Any = None) -> None:
-    """Close an LMCache RemoteBackend's connection without LMCache's own `close()` (see `SharedTier.close`)."""
-    inner = inner if inner is not None else (_unwrap(remote.connection) if remote.connection is not None else None)
-    if inner is None:
-        return
-    loop = loop or remote.loop
-
-    def run(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(5.0)
-
-    pq = getattr(inner, "pq_executor", None)
-    if pq is not None and hasattr(pq, "shutdown_async"):
-        try:
-            run(pq.shutdown_async(True))
-        except Exception:  # noqa: BLE001
-            logger.debug("kvtier: shutting down the store client's executor failed", exc_info=True)
-        for attr in ("connection", "cluster"):
-            client = getattr(inner, attr, None)
-            closer = getattr(client, "aclose", None) or getattr(client, "close", None)
-            if closer is None:
-                continue
-            try:
-                res = closer()
-                if asyncio.iscoroutine(res):
-                    run(res)
-            except Exception:  # noqa: BLE001
-                logger.debug("kvtier: closing the store connection failed", exc_info=True)
-        remote.connection = None
-        return
-    t = threading.Thread(target=remote.close, name="kvtier-shared-close", daemon=True)
-    t.start()
-    t.join(10.0)
-    if t.is_alive():
-        logger.warning("kvtier: closing the shared store connection did not finish within 10 s")
-    remote.connection = None
 
 
 def detach_remote_backends(engine: Any) -> int:
@@ -170,16 +122,15 @@ def detach_remote_backends(engine: Any) -> int:
     built by other code (tests, tools); kvtier's connector does this through `SharedTier.close`."""
     found = remote_backends(engine)
     for name, remote in found:
-        close_remote_connection(remote)
-        with engine.storage_manager.manager_lock:
-            engine.storage_manager.storage_backends.pop(name, None)
+        close_store_client(remote)
+        drop_backend(engine, name)
     return len(found)
 
 
 class SharedTier:
     """One engine rank's view of the shared store (see the module docstring)."""
 
-    def __init__(self, remote: Any, host: Any, layout_ok: Callable[[ChunkMeta], bool], key_tag: str,
+    def __init__(self, remote: Any, host: HostTier, layout_ok: Callable[[ChunkMeta], bool], key_tag: str,
                  options: SharedTierOptions, *, name: str | None = None,
                  detach: Callable[[], None] | None = None, sealer: ChunkSealer | None = None) -> None:
         self.remote = remote
@@ -189,13 +140,13 @@ class SharedTier:
         self.key_tag = key_tag
         self.options = options
         self.sealer = sealer  #: chunks go to the store sealed (None: as they are)
-        self.name = name or str(getattr(remote, "remote_url", "the shared store"))
+        self.name = name or store_name(remote)
         self.stats = SharedStats()
         self.health = StoreHealth(self.name, options.retry_s, on_change=lambda up: M.UP.set(1 if up else 0))
         self._loop = remote.loop
-        inner = _unwrap(remote.connection) if remote.connection is not None else None
-        if inner is not None and hasattr(inner, "local_cpu_backend"):
-            inner.local_cpu_backend = _NoWaitAllocator(host)
+        inner = store_client(remote)
+        if inner is not None:
+            stage_reads_without_waiting(inner, host)
         self._inner = inner  # writes go to the connector itself: its instrumented wrapper swallows put errors
         self._known: collections.OrderedDict[str, None] = collections.OrderedDict()  # remote keys seen in the store
         self._queue: collections.deque[tuple[Any, Any, int]] = collections.deque()
@@ -441,7 +392,7 @@ class SharedTier:
                     self._cv.wait()
                 if not self._queue and self._closed:
                     return
-                batch = []
+                batch: list[tuple[Any, Any, int]] = []
                 while self._queue and len(batch) < 16:
                     batch.append(self._queue.popleft())
                 self._busy += 1
@@ -557,7 +508,7 @@ class SharedTier:
             self._detach()
 
     def _close_connection(self) -> None:
-        close_remote_connection(self.remote, self._inner, self._loop)
+        close_store_client(self.remote, self._inner, self._loop)
 
 
 async def _unsealed() -> None:
