@@ -32,6 +32,7 @@ from kvtier.connector import metrics as M
 from kvtier.connector.config import ConnectorOptions
 from kvtier.connector.messages import LookupResult, PrefetchResult
 from kvtier.connector.rpc import StatsReply
+from kvtier.connector.transfer_timing import AT_ONCE, TransferTiming
 from kvtier.storage_backends.eviction import session_signals
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class WorkerStorage:
 
     def __init__(self, host: Any, ssd: SSDTierHandle, shared: SharedSide | None, chunks: Chunks, chunk_size: int,
                  options: ConnectorOptions, stat: Callable[..., None], on_progress: Callable[[], None],
-                 *, direct_ssd: bool = False) -> None:
+                 *, direct_ssd: bool = False, timing: TransferTiming = AT_ONCE) -> None:
         self.host = host  # LMCache LocalCPUBackend
         self.ssd = ssd
         #: SSD-only chunks are not prefetched into the host tier: the load's stream reads them straight into
@@ -159,6 +160,8 @@ class WorkerStorage:
         self._chunks = chunks
         self.chunk_size = chunk_size
         self.options = options
+        #: when a prefetch starts (at once; tests slow it: `connector/transfer_timing.py`)
+        self.timing = timing
         self._stat = stat  # adds to the worker's interval counters
         self._on_progress = on_progress  # a prefetch ended (an idle step's wait wakes on it)
         self._lock = threading.RLock()
@@ -256,8 +259,9 @@ class WorkerStorage:
 
     def _prefetch(self, rid: str, tokens: list[int], tag: str = "") -> None:
         t0 = time.monotonic()
-        if self.options.debug_prefetch_delay_s:
-            time.sleep(self.options.debug_prefetch_delay_s)
+        delay = self.timing.prefetch_delay_s(rid)
+        if delay > 0:
+            time.sleep(delay)
         own: dict[Any, threading.Event] = {}  # chunks this prefetch reads for every prefetch that needs them
         acc = [0, 0, True]  # bytes and tokens put into the host tier, whether every chunk arrived
         try:
