@@ -85,6 +85,8 @@ def main():
         while eng.has_unfinished_requests():
             for o in eng.step():
                 if o.finished:
+                    if o.request_id == "holdA":  # its saves wait on the transfer thread (held 8 steps)
+                        out["saves_in_flight_at_holdA_finish"] = ws.transfers.inflight("save")
                     c = o.outputs[0]
                     out["requests"][o.request_id] = {  # outputs carry the id given to add_request
                         "tokens": list(c.token_ids),
@@ -150,6 +152,7 @@ def test_save_in_flight_at_finish_is_neither_lost_nor_overwritten(tmp_path):
     # holdA finished with its save in flight (held 8 steps; it finished in its 2nd): vLLM kept its blocks (B's
     # saves, queued behind holdA's, may still be running when B finishes too)
     assert c["delayed_frees"] >= 1, c
+    assert got["saves_in_flight_at_holdA_finish"] >= 1, "holdA's held save was not in flight when it finished"
     assert c["async_loads"] == 1 and c["sync_loads"] == 0, c
     assert got["metrics"].get("kvtier_connector_hit_tokens_total/tier=host", 0) == 96, got["metrics"]
     assert got["metrics"].get("kvtier_connector_load_error_blocks_total", 0) == 0
