@@ -54,20 +54,12 @@ class ConnectorOptions:
     rpc_timeout_s: float = 10.0
     #: give up on a prefetch (recompute instead) after this long
     prefetch_timeout_s: float = 120.0
-    #: testing only: every prefetch sleeps this long first (simulates a slow SSD)
-    debug_prefetch_delay_s: float = 0.0
     #: saves (GPU -> host tier) run off the engine step on the worker's transfer thread; false: inside the step
     async_saves: bool = True
     #: tokens that may load inside one engine step, before its forward pass (one request's load fits whole or
     #: not at all); the other loads run off the step (the request waits in WAITING_FOR_REMOTE_KVS while the others
     #: keep running). 0: every load off the step. Default 1024: measured (benchmarks/host_loads.py, README)
     sync_load_budget_tokens: int = 1024
-    #: testing only: asynchronous loads / saves of requests whose id starts with `debug_hold_request_prefix` (one
-    #: prefix or a list) wait this many engine steps on the transfer thread before they run (a held-back tier
-    #: read, a slow copy)
-    debug_load_hold_steps: int = 0
-    debug_save_hold_steps: int = 0
-    debug_hold_request_prefix: str | list[str] = ""
     #: an engine step with nothing to compute while kvtier work is in flight (asynchronous loads, prefetches,
     #: saves that hold blocks) waits up to this long on the worker for one of them to end, with the GIL released,
     #: instead of returning at once: the engine does not spin past a transfer thread that needs the GIL. Bounds
@@ -78,9 +70,6 @@ class ConnectorOptions:
     #: at a time, so a request's SSD hits are never capped by the host tier's free room. 0: no stream (SSD hits
     #: then reach a request only through the host tier)
     ssd_stream_chunks: int = 4
-    #: testing only: asynchronous loads of the requests `debug_hold_request_prefix` names sleep this long on the
-    #: transfer thread (GIL released, outside the engine lock) before they run: a load in flight for a known time
-    debug_load_delay_s: float = 0.0
 
     @classmethod
     def parse(cls, raw: Any) -> ConnectorOptions:
@@ -100,27 +89,21 @@ class ConnectorOptions:
         if out.kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"{CONNECTOR_KEY}.kv_layout must be one of {', '.join(KV_LAYOUTS)}, got "
                               f"{out.kv_layout!r}")
-        for name in ("rpc_timeout_s", "prefetch_timeout_s", "debug_prefetch_delay_s", "idle_wait_ms",
-                     "debug_load_delay_s"):
+        for name in ("rpc_timeout_s", "prefetch_timeout_s", "idle_wait_ms"):
             v = getattr(out, name)
             number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            may_be_zero = name.startswith("debug_") or name == "idle_wait_ms"
+            may_be_zero = name == "idle_wait_ms"
             if not number or v < 0 or (v == 0 and not may_be_zero):
                 raise ConfigError(f"{CONNECTOR_KEY}.{name} must be a number {'>=' if may_be_zero else '>'}"
                                   f" 0, got {v!r}")
         if not isinstance(out.async_saves, bool):
             raise ConfigError(f"{CONNECTOR_KEY}.async_saves must be true or false, got {out.async_saves!r}")
-        for name in ("sync_load_budget_tokens", "debug_load_hold_steps", "debug_save_hold_steps",
-                     "ssd_stream_chunks"):
+        for name in ("sync_load_budget_tokens", "ssd_stream_chunks"):
             v = getattr(out, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"{CONNECTOR_KEY}.{name} must be an integer >= 0, got {v!r}" + (
                     " (0: every load off the engine step; a huge value: every load inside it)"
                     if name == "sync_load_budget_tokens" else ""))
-        p = out.debug_hold_request_prefix
-        if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(x, str) for x in p))):
-            raise ConfigError(f"{CONNECTOR_KEY}.debug_hold_request_prefix must be a string, got "
-                              f"{out.debug_hold_request_prefix!r}")
         return out
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvtier.scheduler_hooks.base import SchedulingPolicy
+    from kvtier.scheduler_hooks.tier_hint import TierHint
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +178,8 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self.scheduler_side is not None
         return self.scheduler_side.request_finished(request, block_ids)
 
-    # ------------------------------------------------------------------ kvtier extras (scheduler hooks)
-    def tier_hint(self, request_id: str):
+    # ------------------------------------------------------------ kvtier's hook (scheduler_hooks.base.TierHintSource)
+    def tier_hint(self, request_id: str) -> TierHint | None:
         """The latest `TierHint` of a waiting request (None if unknown)."""
         return self.scheduler_side.tier_hint(request_id) if self.scheduler_side is not None else None
 

@@ -14,15 +14,17 @@ thread itself on CPU), so the forward pass never waits for them:
 - `take_done()`: finished jobs and their results, for the engine thread to report.
 - `has_done()` and the `on_done` callback (run on the transfer thread after each job): the worker's idle wait
   (`WorkerSide.get_finished`) sleeps until a job ends instead of letting the engine spin.
-- Testing only: a job submitted with `hold_steps=k` does not start before `tick()` (once per engine step) was
-  called k times, or `release()` lets every held job go (a preemption, a flush, close). A held job holds the
-  ones behind it too (FIFO). This makes "a load still in flight while other requests step" and "a save still in
-  flight when its request finishes or is preempted" deterministic, without sleeping.
+- Held jobs (tests only: `WorkerSide.timing`, `connector/transfer_timing.py`, holds none in production): a job
+  submitted with `hold_steps=k` does not start before `tick()` (once per engine step) was called k times, or
+  `release()` lets every held job go (a preemption, a flush, close). A held job holds the ones behind it too
+  (FIFO). This makes "a load still in flight while other requests step" and "a save still in flight when its
+  request finishes or is preempted" deterministic, without sleeping.
 
 Every LMCache engine call of a job runs under `engine_lock`, which the worker also takes for the loads it runs
 synchronously, so LMCache's engine never runs two stores or retrieves at once. A job that raises is logged and
 reported done with `result=None` (the worker treats a load without a result as failed: its blocks are recomputed).
-A job with `delay_s` (testing only) sleeps that long first, outside the lock: a load in flight for a known time.
+A job with `delay_s` (tests only, through the same timing) sleeps that long first, outside the lock: a load in
+flight for a known time.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ class TransferJob:
     #: the spec the job was made from (returned with the result)
     spec: Any = None
     fence: StreamFence | None = None
-    #: testing only: engine steps (`TransferQueue.tick`) the job waits before it runs (a held-back read or copy)
+    #: engine steps (`TransferQueue.tick`) the job waits before it runs (tests: a held-back read or copy)
     hold_steps: int = 0
-    #: testing only: seconds the job sleeps when it starts, before it takes the engine lock (a slow read)
+    #: seconds the job sleeps when it starts, before it takes the engine lock (tests: a slow read)
     delay_s: float = 0.0
     submitted: float = field(default_factory=time.monotonic)
     started: float = 0.0

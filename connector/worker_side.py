@@ -7,18 +7,19 @@
   prefetches (`connector/worker_storage.py`: host tier, then SSD, then the shared tier when the LMCache config
   names a remote store; prefetches read into the host tier on background threads, never in a forward pass),
   flushes and counters. The SSD tier is reached through one narrow handle (`SSDTierHandle`), built at start-up.
-- `start_load_kv` retrieves from the host tier through the page-first connector: small loads inside the step,
+- Loads and saves live in `connector/worker_transfers.py` (`WorkerTransfers`, a part of `WorkerSide`):
+  `start_load_kv` retrieves from the host tier through the page-first connector: small loads inside the step,
   before the forward pass; larger ones (`LoadSpec.is_async`) on the transfer thread (`connector/transfers.py`)
   while the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, reported through `get_finished`. The part of a
   load past `LoadSpec.stream_from` (SSD chunks its prefetch found no host room for) streams from the SSD tier
   through a bounded staging area (`connector/ssd_stream.py`), always off the step. Any token that
   does not arrive marks its block (and every later one of that load) as a load error for vLLM to recompute, for
   an asynchronous load no later than the step that reports it finished: never wrong KV.
-- `wait_for_save` queues the step's newly completed chunks on the transfer thread (host tier, write-through to SSD
-  asynchronously; to the shared tier from a helper thread, as `kvtier.shared.writes` says); the jobs that finished
-  travel back in `KVTierWorkerMetadata`. A finished request's blocks are kept by vLLM until its saves are done
-  (`finished_sending`); a preempted request's saves finish in `handle_preemptions`, before the step's forward pass
-  may overwrite its blocks.
+- `wait_for_save` (the same module) queues the step's newly completed chunks on the transfer thread (host tier,
+  write-through to SSD asynchronously; to the shared tier from a helper thread, as `kvtier.shared.writes` says);
+  the jobs that finished travel back in `KVTierWorkerMetadata`. A finished request's blocks are kept by vLLM until
+  its saves are done (`finished_sending`); a preempted request's saves finish in `handle_preemptions`, before the
+  step's forward pass may overwrite its blocks.
 - Finished requests' answer lengths and chunk chains reach the SSD tier's eviction policy.
 - Identity: chunk keys are LMCache's keys of a request's key tokens with its identity tag as a key tag
   (`request_configs`), in every lookup, prefetch, load, stream, save and shared write; LMCache's metadata names the
@@ -46,8 +47,6 @@ from kvtier.connector.messages import (
     FinishedSpec,
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
-    LoadSpec,
-    SaveSpec,
 )
 from kvtier.connector.rpc import (
     Ack,
@@ -68,8 +67,10 @@ from kvtier.connector.rpc import (
     endpoint,
 )
 from kvtier.connector.ssd_stream import SSDStream
-from kvtier.connector.transfers import StreamFence, TransferJob, TransferQueue
+from kvtier.connector.transfer_timing import AT_ONCE, TransferTiming
+from kvtier.connector.transfers import TransferQueue
 from kvtier.connector.worker_storage import SSDTierHandle, WorkerStorage, request_configs
+from kvtier.connector.worker_transfers import WorkerTransfers
 from kvtier.identity.model import FINGERPRINT_PREFIX, ModelFingerprint
 from kvtier.identity.vllm import engine_fingerprint
 from kvtier.storage_backends.config import ConfigError
@@ -102,16 +103,13 @@ def _rank(vllm_config: Any) -> int:
         return int(vllm_config.parallel_config.rank)
 
 
-def slot_mapping(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Tensor:
-    """vLLM slot of each of the first `num_tokens` tokens of a request with these blocks."""
-    pos = torch.arange(num_tokens, dtype=torch.long)
-    blocks = torch.as_tensor(block_ids, dtype=torch.long)
-    if len(block_ids) * block_size < num_tokens:
-        raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {num_tokens} tokens")
-    return blocks[pos // block_size] * block_size + pos % block_size
+class WorkerSide(WorkerTransfers):
+    """One worker rank's connector: start-up, the storage RPC, the per-step bookkeeping; its loads and saves are
+    `WorkerTransfers`' (`connector/worker_transfers.py`)."""
 
+    #: when queued transfers and prefetches start: at once (tests replace it: `kvtier.testing.transfer_timing`)
+    timing: TransferTiming = AT_ONCE
 
-class WorkerSide:
     def __init__(self, vllm_config: Any, cfg: ConnectorConfig) -> None:
         self.vllm_config = vllm_config
         self.cfg = cfg
@@ -251,7 +249,7 @@ class WorkerSide:
                 raise
         self.storage = WorkerStorage(self.host, self.ssd, self.shared, self._chunks, chunk, self.cfg.options,
                                      self._stat, self._notify_progress,
-                                     direct_ssd=self.stream is not None and self.stream.direct)
+                                     direct_ssd=self.stream is not None and self.stream.direct, timing=self.timing)
         self.server = RPCServer(endpoint(self.engine_id, self.rank), self.handle)
         # LMCache keeps non-daemon threads until its engine is closed: close it before the interpreter joins
         # them, or an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) never exits.
@@ -366,96 +364,6 @@ class WorkerSide:
             except Exception:
                 logger.exception("kvtier: answer-length feedback for %s failed", f.req_id)
 
-    def _held_back(self, req_id: str) -> bool:
-        """Testing only: whether the debug hold and delay options apply to `req_id`'s jobs."""
-        p = self.cfg.options.debug_hold_request_prefix
-        return req_id.startswith(p if isinstance(p, str) else tuple(p))
-
-    def _hold(self, req_id: str, steps: int) -> int:
-        """Testing only: engine steps a job of `req_id` waits before it runs."""
-        return steps if steps > 0 and self._held_back(req_id) else 0
-
-    def start_load(self) -> None:
-        md = self._metadata
-        if md is None or not md.loads:
-            return
-        fence = None
-        for spec in md.loads:
-            if spec.is_async and self.transfers is not None:
-                if fence is None:  # after this step's zeroing of new blocks (GPU)
-                    fence = StreamFence(self.kv_list[0].device)
-                delay = self.cfg.options.debug_load_delay_s if self._held_back(spec.req_id) else 0.0
-                self.transfers.submit(TransferJob("load", spec.req_id, lambda sp=spec: (self._load(sp),), spec=spec,
-                                                  fence=fence, hold_steps=self._hold(
-                                                      spec.req_id, self.cfg.options.debug_load_hold_steps),
-                                                  delay_s=delay))
-                self._loading.add(spec.req_id)
-                continue
-            t0 = time.monotonic()
-            with self._engine_lock:
-                bad_from = self._load(spec)
-            self._finish_load(spec, bad_from, time.monotonic() - t0, "sync")
-
-    def _load(self, spec: LoadSpec) -> int | None:
-        """Retrieve `spec`'s tokens into its blocks (host tier, then the SSD stream from `spec.stream_from`);
-        returns the first token that did not arrive (None: all did)."""
-        n, cached = spec.load_end, spec.gpu_cached
-        try:
-            skip = cached // self.cfg.chunk_size * self.cfg.chunk_size
-            host_end = n if spec.stream_from is None or self.stream is None else max(spec.stream_from, skip)
-            slots = slot_mapping(spec.block_ids, self.block_size, n)
-            if host_end > cached:
-                tokens = torch.tensor(spec.token_ids[:host_end], dtype=torch.long)
-                mask = torch.ones(host_end, dtype=torch.bool)
-                mask[:skip] = False
-                ret = self.engine.retrieve(tokens, mask, kvcaches=self.kv_list, slot_mapping=slots[:host_end],
-                                           vllm_cached_tokens=cached, req_id=spec.req_id,
-                                           request_configs=request_configs(spec.tag))
-                if self.storage is not None:
-                    self.storage.after_retrieve(spec.req_id, spec.token_ids[:host_end], ret, skip, spec.tag)
-                got = ret[cached:host_end]
-                if not bool(got.all()):
-                    return cached + int((~got).nonzero()[0])
-            if host_end >= n:
-                return None
-            return self._stream(spec, host_end, slots)
-        except Exception:
-            logger.exception("kvtier: load for %s failed; its blocks will be recomputed", spec.req_id)
-            return cached
-
-    def _stream(self, spec: LoadSpec, start: int, slots: torch.Tensor) -> int | None:
-        """The SSD-resident rest of a load, from `start` (chunk-aligned), through the bounded staging area."""
-        assert self.stream is not None
-        chunks = [c for c in self._chunks(spec.token_ids[:spec.load_end], spec.tag) if c[0] >= start]
-        res = self.stream.load(chunks, kvcaches=self.kv_list, slot_mapping=slots, vllm_cached_tokens=spec.gpu_cached)
-        streamed = (res.bad_from if res.bad_from is not None else spec.load_end) - start
-        M.STREAMED_TOKENS.inc(max(streamed, 0))
-        self._stat(streamed_tokens=max(streamed, 0))
-        if res.bad_from is None:
-            return None
-        logger.info("kvtier: %s: the SSD stream stopped at token %d (its chunk is in no local tier, failed its "
-                    "checksum or has another model's format)", spec.req_id, res.bad_from)
-        return max(res.bad_from, spec.gpu_cached)
-
-    def _finish_load(self, spec: LoadSpec, bad_from: int | None, seconds: float, mode: str) -> None:
-        """On the engine thread: report a load's failed blocks (before vLLM reads this step's errors), count it,
-        release its pins."""
-        n = spec.load_end
-        if bad_from is not None:
-            blocks = spec.block_ids[bad_from // self.block_size:-(-n // self.block_size)]
-            self._load_errors.update(blocks)
-            M.LOAD_ERROR_BLOCKS.inc(len(blocks))
-            self._stat(load_error_blocks=len(blocks))
-            logger.warning("kvtier: %s: tokens %d..%d did not load; %d blocks go back to vLLM for recomputation",
-                           spec.req_id, bad_from, n, len(blocks))
-        loaded = (bad_from if bad_from is not None else n) - spec.gpu_cached
-        M.LOAD_SECONDS.observe(seconds)
-        M.LOAD_BYTES.inc(max(loaded, 0) * self._token_bytes())
-        M.LOADS.labels(mode).inc()
-        self._stat(loads=1, loaded_tokens=max(loaded, 0), load_seconds=seconds,
-                       async_loads=1 if mode == "async" else 0)
-        self.release(spec.req_id)
-
     def handle_preemptions(self, md: Any) -> None:
         """Before this step's forward pass: saves of requests preempted in this step's schedule read their blocks
         now, before the blocks are handed to other requests (vLLM freed them when it preempted)."""
@@ -534,78 +442,8 @@ class WorkerSide:
         out, self._completed_saves = KVTierWorkerMetadata(self._completed_saves), {}
         return out
 
-    def _token_bytes(self) -> int:
-        t = self.kv_list[0]
-        return 2 * len(self.kv_list) * self.vllm_config.model_config.get_num_kv_heads(
-            self.vllm_config.parallel_config) * self.vllm_config.model_config.get_head_size() * t.element_size()
-
-    def wait_for_save(self) -> None:
-        md = self._metadata
-        if md is None or not md.saves:
-            return
-        if not self.cfg.options.async_saves or self.transfers is None:
-            for spec in md.saves:
-                with self._engine_lock:
-                    self._save(spec)
-                self._completed_saves[spec.job_id] = 1
-            return
-        fence = StreamFence(self.kv_list[0].device)  # after this step's forward pass computed the KV (GPU)
-        for spec in md.saves:
-            self.transfers.submit(TransferJob("save", spec.req_id, lambda sp=spec: self._save(sp), spec=spec,
-                                              fence=fence, hold_steps=self._hold(
-                                                  spec.req_id, self.cfg.options.debug_save_hold_steps)))
-
-    def _save(self, spec: SaveSpec) -> None:
-        t0 = time.monotonic()
-        n = len(spec.token_ids)
-        try:
-            stored_end = self._store(spec, n)
-        except Exception:  # a lost save is a future miss, never wrong KV
-            logger.exception("kvtier: save for %s failed", spec.req_id)
-            return
-        if self.shared is not None and spec.share and stored_end > spec.skip:
-            # queued for the shared tier's helper thread: returns at once
-            self.shared.share_saved(spec.token_ids[:stored_end], spec.skip, spec.tag)
-        dt = time.monotonic() - t0
-        M.SAVE_SECONDS.observe(dt)
-        M.SAVE_BYTES.inc((stored_end - spec.skip) * self._token_bytes())
-        self._stat(saves=1, saved_tokens=stored_end - spec.skip, save_seconds=dt)
-
-    #: a store that found LMCache's host pool full waits at most this long for queued SSD writes, then retries
-    STORE_RETRY_WAIT_S = 1.0
-
-    def _store(self, spec: Any, n: int) -> int:
-        """Store `spec`'s chunks; returns the end of what LMCache stored. LMCache stores chunks in order and
-        skips the rest at the first one its host pool has no room for (nothing evictable): queued SSD writes
-        hold part of that pool, so the store waits for them and retries from that chunk, as long as each retry
-        stores something (a save larger than the pool's free room goes through it a part at a time); what still
-        does not fit (the pool held by pins) is counted (`kvtier_host_pool_lost_chunks_total`)."""
-        tokens = torch.tensor(spec.token_ids, dtype=torch.long)
-        slots = slot_mapping(spec.block_ids, self.block_size, n)
-        watch, skip = self.ssd.pool_watch, spec.skip
-        retried = False
-        while True:
-            mask = torch.ones(n, dtype=torch.bool)
-            mask[:skip] = False
-            with watch.scope("store") as sc:
-                self.engine.store(tokens, mask=mask, kvcaches=self.kv_list, slot_mapping=slots, req_id=spec.req_id,
-                                  request_configs=request_configs(spec.tag))
-            skip += sc.ok * self.cfg.chunk_size
-            if not sc.failed or skip >= n:
-                return n
-            if retried and not sc.ok:  # waiting for the SSD writes freed nothing: the pool is held otherwise
-                break
-            retried = True
-            self.ssd.flush(self.STORE_RETRY_WAIT_S)
-        watch.report_lost("store", -(-(n - skip) // self.cfg.chunk_size))
-        return skip
-
     def clear(self) -> None:
         self._metadata = None
-
-    def take_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
-        return out
 
     def _stat(self, **kw: float) -> None:
         with self._stats_lock:  # the transfer and prefetch threads count too

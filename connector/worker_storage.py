@@ -5,8 +5,9 @@ the worker uses.
 - `SSDTierHandle`: what the worker side uses of the SSD tier and of the LMCache plugin (`KVTierBackend`) that owns
   it (membership, chunk size, reads into host objects, flush, the host pool's watch, counters), built once when
   the engine has started.
-- `WorkerStorage.lookup` walks a request's chunk keys: host tier (LMCache's `LocalCPUBackend`), then the SSD tier,
-  then the shared tier when there is one (`connector/shared_side.py`: local tiers always first). With `pin`, the
+- `WorkerStorage.lookup` walks a request's chunk keys: host tier (LMCache's `LocalCPUBackend`), then the SSD tier
+  (the walk's rule: `kvtier.scheduler_hooks.prefix_walk`), then the shared tier when there is one
+  (`connector/shared_side.py`: local tiers always first). With `pin`, the
   host-resident prefix is pinned for the request until its load (or `release`).
 - `WorkerStorage.submit_prefetch` reads SSD-only and shared-only chunks into the host tier on a background thread
   (never inside a forward pass) and pins them for the request until its load. Where the load's SSD stream reads
@@ -32,6 +33,8 @@ from kvtier.connector import metrics as M
 from kvtier.connector.config import ConnectorOptions
 from kvtier.connector.messages import LookupResult, PrefetchResult
 from kvtier.connector.rpc import StatsReply
+from kvtier.connector.transfer_timing import AT_ONCE, TransferTiming
+from kvtier.scheduler_hooks.prefix_walk import HOST, RESIDENT, SSD, walk_chunks
 from kvtier.storage_backends.eviction import session_signals
 
 if TYPE_CHECKING:
@@ -149,7 +152,7 @@ class WorkerStorage:
 
     def __init__(self, host: Any, ssd: SSDTierHandle, shared: SharedSide | None, chunks: Chunks, chunk_size: int,
                  options: ConnectorOptions, stat: Callable[..., None], on_progress: Callable[[], None],
-                 *, direct_ssd: bool = False) -> None:
+                 *, direct_ssd: bool = False, timing: TransferTiming = AT_ONCE) -> None:
         self.host = host  # LMCache LocalCPUBackend
         self.ssd = ssd
         #: SSD-only chunks are not prefetched into the host tier: the load's stream reads them straight into
@@ -159,6 +162,8 @@ class WorkerStorage:
         self._chunks = chunks
         self.chunk_size = chunk_size
         self.options = options
+        #: when a prefetch starts (at once; tests slow it: `connector/transfer_timing.py`)
+        self.timing = timing
         self._stat = stat  # adds to the worker's interval counters
         self._on_progress = on_progress  # a prefetch ended (an idle step's wait wakes on it)
         self._lock = threading.RLock()
@@ -209,25 +214,23 @@ class WorkerStorage:
 
     def lookup(self, rid: str, tokens: list[int], pin: bool = False, first: bool = False, tag: str = ""
                ) -> LookupResult:
-        ssd = self.ssd
-        host_end = hit_end = ssd_tokens = ssd_bytes = remote_tokens = 0
-        host_run = True
+        ssd, chunk_bytes = self.ssd, self.ssd.chunk_bytes
         chunks = self._chunks(tokens, tag)
-        missing = None  # first chunk in neither local tier
+
+        def locate(chunk: tuple[int, int, Any], in_host_run: bool) -> tuple[str | None, int, int]:
+            start, end, key = chunk  # with `pin`, the host run is pinned for the request
+            if in_host_run and (self._pin(rid, key) if pin else self.host.contains(key)):
+                return HOST, end - start, 0
+            if self.host.contains(key):
+                return RESIDENT, end - start, 0
+            if ssd.contains(key):
+                return SSD, end - start, chunk_bytes
+            return None, end - start, 0
+
         with self._lock:
-            for i, (start, end, key) in enumerate(chunks):
-                if host_run and (self._pin(rid, key) if pin else self.host.contains(key)):
-                    host_end = end
-                elif self.host.contains(key):
-                    pass
-                elif ssd.contains(key):
-                    host_run = False
-                    ssd_tokens += end - start
-                    ssd_bytes += ssd.chunk_bytes
-                else:
-                    missing = i
-                    break
-                hit_end = end
+            walk = walk_chunks(chunks, locate)
+        res, missing = walk.residency, walk.stop  # missing: the first chunk in neither local tier
+        hit_end, remote_tokens = res.hit_end, 0
         if missing is not None and self.shared is not None:  # the network only for what the local tiers lack
             rest = chunks[missing:]
             for start, end, _key in rest[:self.shared.prefix(rid, [k for _, _, k in rest])]:
@@ -235,7 +238,7 @@ class WorkerStorage:
                 hit_end = end
         if first:
             session_signals.request_arrived([k for s, e, k in chunks if e - s == self.chunk_size])
-        return LookupResult(host_end, hit_end, ssd_tokens, ssd_bytes, self.chunk_size, remote_tokens,
+        return LookupResult(res.host_end, hit_end, res.ssd_tokens, res.ssd_bytes, self.chunk_size, remote_tokens,
                             remote_tokens // self.chunk_size * ssd.chunk_bytes)
 
     def release(self, rid: str) -> None:
@@ -256,8 +259,9 @@ class WorkerStorage:
 
     def _prefetch(self, rid: str, tokens: list[int], tag: str = "") -> None:
         t0 = time.monotonic()
-        if self.options.debug_prefetch_delay_s:
-            time.sleep(self.options.debug_prefetch_delay_s)
+        delay = self.timing.prefetch_delay_s(rid)
+        if delay > 0:
+            time.sleep(delay)
         own: dict[Any, threading.Event] = {}  # chunks this prefetch reads for every prefetch that needs them
         acc = [0, 0, True]  # bytes and tokens put into the host tier, whether every chunk arrived
         try:

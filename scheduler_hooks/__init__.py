@@ -3,7 +3,9 @@
 Plain-Python core (no vLLM import; the simulator, the connector's prefetcher and the vLLM hook share it):
 - `TierHint` / `TierState` (`tier_hint`): where a waiting request's prefix KV lives, published by the connector.
 - `DiskHRRNQueue` (`hrrn`): SSD reads in disk-HRRN order (1 + waiting time / KV bytes, highest first).
-- `SchedulingPolicy` (`base`): the contract every caller drives a policy through.
+- `SchedulingPolicy` (`base`): the contract every caller drives a policy through; `TierHintSource` (`base`): what
+  the vLLM hook needs from the KV connector (kvtier's `KVTierConnector`).
+- The prefix walk (`prefix_walk`): one rule for where a prompt's chunks are, the worker's lookups and the simulator.
 - `DualQueuePolicy` (`dual_queue_policy`, knobs in `dual_queue_config`): Bidaw's ready + preparing queues, Strata's
   delay-hit avoidance, a starvation bound; `FCFSPolicy` (`fcfs`), the baseline; `make_scheduling_policy(name)`.
 - `LoadPlanner` (`load_plan`) and `derive_tier_hint` (`hint_derivation`): load or recompute, per request.

@@ -1,4 +1,5 @@
-"""The contract of a scheduling policy (`SchedulingPolicy`), and the record its queues keep per waiting request.
+"""The contract of a scheduling policy (`SchedulingPolicy`), the record its queues keep per waiting request, and what
+the vLLM hook needs from a KV connector (`TierHintSource`).
 
 Three callers drive a policy, each through this contract and nothing else: the vLLM hook
 (`scheduler_hooks/dual_queue.py`: `update`, `order`, `dispatched`, `remove`), the connector's scheduler side
@@ -35,7 +36,7 @@ from typing import Protocol, runtime_checkable
 from kvtier.scheduler_hooks.load_plan import LoadPlanner
 from kvtier.scheduler_hooks.tier_hint import TierHint
 
-__all__ = ["SchedulingPolicy", "Waiting"]
+__all__ = ["SchedulingPolicy", "TierHintSource", "Waiting"]
 
 
 @runtime_checkable
@@ -123,6 +124,21 @@ class SchedulingPolicy(Protocol):
         """The GPU is about to idle: recompute the SSD part of a waiting request whose read (landing in
         `read_s(hint)` seconds at best) has not landed, where that gives an earlier first token. Returns that
         request (now ready) or None."""
+        ...
+
+
+@runtime_checkable
+class TierHintSource(Protocol):
+    """What the vLLM hook (`scheduler_hooks/dual_queue.py`) needs from the engine's KV connector to order vLLM's
+    waiting queue: kvtier's `KVTierConnector` implements it; another connector (LMCache's, vLLM's MultiConnector)
+    does not, and the hook then keeps vLLM's own order."""
+
+    def tier_hint(self, request_id: str) -> TierHint | None:
+        """The latest `TierHint` of a waiting request (None if unknown)."""
+        ...
+
+    def set_scheduling_policy(self, policy: SchedulingPolicy) -> None:
+        """The hook's policy: the connector's SSD prefetches follow its disk-HRRN order."""
         ...
 
 

@@ -3,15 +3,16 @@
     vllm serve MODEL --scheduler-cls kvtier.scheduler_hooks.DualQueueScheduler --kv-transfer-config '{...kvtier...}'
 
 Each step, before vLLM's own `schedule()`, the hook refreshes the tier hints of the waiting requests from the
-connector (duck-typed: `connector.tier_hint(request_id) -> TierHint | None`), asks the policy for an order
-(`DualQueuePolicy.order(now, free_gpu_blocks)`) and rewrites `self.waiting` in that order. Everything else (token
-budget, preemption, chunked prefill, prefix caching, the connector's `None` = "not yet" answers) is vLLM's own code.
-Requests the policy does not track (preempted or resumed ones, which vLLM prepends) keep their place at the front.
+connector (`TierHintSource.tier_hint(request_id) -> TierHint | None`, `scheduler_hooks/base.py`), asks the policy
+for an order (`DualQueuePolicy.order(now, free_gpu_blocks)`) and rewrites `self.waiting` in that order. Everything
+else (token budget, preemption, chunked prefill, prefix caching, the connector's `None` = "not yet" answers) is
+vLLM's own code. Requests the policy does not track (preempted or resumed ones, which vLLM prepends) keep their
+place at the front.
 
-- Without a connector that has `tier_hint` (or with `--scheduling-policy priority`), the hook does nothing: vLLM's
-  default behaviour, exactly.
-- If the connector has `set_scheduling_policy(policy)`, the hook hands it the policy object, so the connector's
-  SSD prefetcher issues reads in the same disk-HRRN order (`policy.next_prefetch(now)`, `policy.prefetch_done(id)`).
+- Without a connector that is a `TierHintSource` (kvtier's `KVTierConnector`; not LMCache's connector nor vLLM's
+  MultiConnector), or with `--scheduling-policy priority`, the hook does nothing: vLLM's default behaviour, exactly.
+- The hook hands the connector its policy object (`set_scheduling_policy`), so the connector's SSD prefetcher
+  issues reads in the same disk-HRRN order (`policy.next_prefetch(now)`, `policy.prefetch_done(id)`).
 - Policy knobs: `kv_connector_extra_config["kvtier.scheduler"]` (`SCHEDULER_KEYS`, parsed by
   `DualQueueConfig.from_keys`: delay hit, starvation bound, `ready_order`, and the load plan's cost model and
   weights). The load plan's KV bytes per token come from the KV cache spec. The policy's `planner` is the engine's
@@ -33,6 +34,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvtier.scheduler_hooks.base import TierHintSource
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig, DualQueuePolicy
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 
@@ -53,7 +55,8 @@ class DualQueueScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kvtier_policy: DualQueuePolicy | None = None
-        self._kvtier_hints = getattr(self.connector, "tier_hint", None) if self.connector is not None else None
+        connector = self.connector
+        self._kvtier_hints: TierHintSource | None = connector if isinstance(connector, TierHintSource) else None
         if self._kvtier_hints is None:
             logger.info("kvtier: no connector with tier_hint(); vLLM's default scheduling order is kept")
             return
@@ -63,9 +66,7 @@ class DualQueueScheduler(Scheduler):
             self._kvtier_hints = None
             return
         self.kvtier_policy = DualQueuePolicy(self._kvtier_config())
-        setter = getattr(self.connector, "set_scheduling_policy", None)
-        if callable(setter):
-            setter(self.kvtier_policy)
+        self._kvtier_hints.set_scheduling_policy(self.kvtier_policy)
         logger.info("kvtier: dual-queue scheduling on (%s)", self.kvtier_policy.config)
 
     # --- configuration -------------------------------------------------------------------------------------------
@@ -93,7 +94,7 @@ class DualQueueScheduler(Scheduler):
     def _kvtier_hint(self, request: Any) -> TierHint:
         hint = None
         try:
-            hint = self._kvtier_hints(request.request_id) if self._kvtier_hints else None
+            hint = self._kvtier_hints.tier_hint(request.request_id) if self._kvtier_hints is not None else None
         except Exception:  # a broken hint source must not stop the engine
             logger.exception("kvtier: tier_hint(%s) failed; treating the request as a miss", request.request_id)
         if hint is None:

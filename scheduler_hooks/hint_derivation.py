@@ -3,12 +3,12 @@
 
 Inputs, all about one waiting request at one moment:
 - `gpu_tokens`: vLLM's own prefix-cache hit.
-- a `PrefixResidency` (any object with `host_end`, `hit_end`, `ssd_tokens`, `ssd_bytes`, such as the connector's
-  `LookupResult`): the storage side's walk of the prompt, chunk by chunk from its first token. `walk_prefix`
-  builds one from per-chunk residency with the worker's rules: `host_end` ends the run of host-resident chunks,
+- a `PrefixResidency` (`prefix_walk`: the connector's `LookupResult`, `Residency`): the storage side's walk of the
+  prompt, chunk by chunk from its first token. `walk_prefix` builds one from per-chunk residency with the same
+  rule as the worker's lookups (`prefix_walk.walk_chunks`): `host_end` ends the run of host-resident chunks,
   `hit_end` the run of chunks resident in host or SSD (or the shared tier); `ssd_tokens`/`ssd_bytes` count the
-  SSD-only chunks of `[0, hit_end)`, the optional `remote_tokens`/`remote_bytes` the shared-tier-only ones (a
-  request with such a part waits for its prefetch: state REMOTE, no load plan; the plan models local tiers only).
+  SSD-only chunks of `[0, hit_end)`, `remote_tokens`/`remote_bytes` the shared-tier-only ones (a request with
+  such a part waits for its prefetch: state REMOTE, no load plan; the plan models local tiers only).
 - the request's SSD prefetch phase (`PrefetchPhase`): while the prefetch is not done the SSD part is pending
   (PREPARING, LOADING once issued); once done (or failed) only what is in host memory counts.
 - `inflight_tokens` (`count_inflight`): prompt chunks right after the resident prefix that *another* admitted
@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Protocol
 
 from kvtier.scheduler_hooks.load_plan import LoadAction, LoadPlanner, PlanContext
+from kvtier.scheduler_hooks.prefix_walk import HOST, SSD, PrefixResidency, Residency, walk_prefix
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState, classify
 
 __all__ = [
+    "HOST",
+    "SSD",
     "PrefetchPhase",
     "PrefixResidency",
     "Residency",
@@ -47,47 +48,6 @@ class PrefetchPhase(str, enum.Enum):
     INFLIGHT = "inflight"  #: its read is issued
     DONE = "done"  #: its chunks are in host memory (pinned for it)
     FAILED = "failed"  #: the read failed or timed out: its SSD part is recomputed
-
-
-class PrefixResidency(Protocol):
-    host_end: int
-    hit_end: int
-    ssd_tokens: int
-    ssd_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Residency:
-    """A prefix walk's result (the fields of `kvtier.connector.messages.LookupResult`)."""
-
-    host_end: int = 0
-    hit_end: int = 0
-    ssd_tokens: int = 0
-    ssd_bytes: int = 0
-
-
-#: per-chunk residency values for `walk_prefix`
-HOST, SSD = "host", "ssd"
-
-
-def walk_prefix(chunks: Iterable[tuple[str | None, int, int]]) -> Residency:
-    """Walk `(where, tokens, nbytes)` per chunk, in prompt order (`where`: "host" for a chunk usable without an SSD
-    read - host tier, or already on the GPU - "ssd" for an SSD-only chunk, None for a chunk resident nowhere)."""
-    pos = host_end = hit_end = ssd_tokens = ssd_bytes = 0
-    host_run = True
-    for where, tokens, nbytes in chunks:
-        if where == HOST:
-            if host_run:
-                host_end = pos + tokens
-        elif where == SSD:
-            host_run = False
-            ssd_tokens += tokens
-            ssd_bytes += nbytes
-        else:
-            break
-        pos += tokens
-        hit_end = pos
-    return Residency(host_end, hit_end, ssd_tokens, ssd_bytes)
 
 
 def count_inflight(owners: Iterable[tuple[str | None, int]], request_id: str) -> int:
@@ -119,8 +79,8 @@ def derive_tier_hint(
     pending = phase in (PrefetchPhase.NONE, PrefetchPhase.QUEUED, PrefetchPhase.INFLIGHT)
     ssd = residency.ssd_tokens if pending else 0
     ssd_bytes = residency.ssd_bytes if ssd else 0
-    remote = getattr(residency, "remote_tokens", 0) if pending else 0
-    remote_bytes = getattr(residency, "remote_bytes", 0) if remote else 0
+    remote = residency.remote_tokens if pending else 0
+    remote_bytes = residency.remote_bytes if remote else 0
     host = (max(0, residency.hit_end - residency.ssd_tokens - remote - gpu) if ssd or remote
             else max(0, residency.host_end - gpu))
     if remote:  # the load plan does not model the shared tier: the request waits for its whole prefetch

@@ -480,7 +480,7 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     ),
     (
         'tp2: a rank\'s failed loads not reported to vLLM (rank 1)',
-        'connector/worker_side.py',
+        'connector/worker_transfers.py',
         '            self._load_errors.update(blocks)',
         '            self._load_errors.update(blocks if self.rank == 0 else ())',
         'tests/test_connector_tp2.py',

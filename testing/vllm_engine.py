@@ -7,11 +7,12 @@
         stats = eng.stats()                                 # connector snapshot, kvtier metrics, vLLM hit sources
     batches = run_conversations(eng, conversations, schedule, max_tokens=16)   # multi-turn chats, greedy
 
-The child is this module (`python -m kvtier.testing.vllm_engine ARGS.json`): it builds one `LLM` with the settings
-every test shares (float32, eager, block size 32, vLLM's prefix cache off, seed 0, token ids in and out) plus the
-caller's `llm` keywords, prints `KVTIER-READY`, then answers one JSON command a line (`generate`, `stats`,
-`quit`) with one `KVTIER-RESULT` line. Everything else it prints goes to `workdir/NAME.log`; a hang ends the
-child with its stacks in that log (`watchdog_s`). `close()` always ends the process (quit, then kill).
+The child is this module (`python -m kvtier.testing.vllm_engine ARGS.json`): it installs the caller's `timing`
+(`kvtier.testing.transfer_timing`), builds one `LLM` with the settings every test shares (float32, eager, block size
+32, vLLM's prefix cache off, seed 0, token ids in and out) plus the caller's `llm` keywords, prints `KVTIER-READY`,
+then answers one JSON command a line (`generate`, `stats`, `quit`) with one `KVTIER-RESULT` line. Everything else it
+prints goes to `workdir/NAME.log`; a hang ends the child with its stacks in that log (`watchdog_s`). `close()`
+always ends the process (quit, then kill).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.testing.transfer_timing import HeldTransfers
 
 from kvtier.launch.vllm_process import end_process_group, guard_llvmlite_for_vllm_kernel_scan
 
@@ -59,15 +63,17 @@ class EngineFailed(AssertionError):
 
 class EngineProcess:
     """One vLLM engine process; `llm` holds extra `LLM(...)` keywords (kv_transfer_config, scheduler_cls, ...),
-    `env` extra environment variables (over `ENGINE_ENV`)."""
+    `env` extra environment variables (over `ENGINE_ENV`), `timing` holds or slows the connector worker's
+    transfers (installed in the child before it builds the engine: `kvtier.testing.transfer_timing`)."""
 
     def __init__(self, workdir: str | Path, name: str, model: str | Path, *, llm: dict | None = None,
-                 env: dict[str, str] | None = None, watchdog_s: float | None = 600) -> None:
+                 env: dict[str, str] | None = None, watchdog_s: float | None = 600,
+                 timing: HeldTransfers | None = None) -> None:
         workdir = Path(workdir)
         self.name = name
         self.log_path = workdir / f"{name}.log"
         args = {"model": str(model), "llm": {k: v for k, v in (llm or {}).items() if v is not None},
-                "watchdog_s": watchdog_s}
+                "watchdog_s": watchdog_s, "timing": timing.as_dict() if timing is not None else None}
         args_path = workdir / f"{name}.args.json"
         args_path.write_text(json.dumps(args))
         self._log = open(self.log_path, "w")
@@ -200,6 +206,9 @@ def _serve(args_path: str) -> None:
 
         faulthandler.dump_traceback_later(args["watchdog_s"], exit=True)  # a hang shows its stacks
     guard_llvmlite_for_vllm_kernel_scan()
+    from kvtier.testing.transfer_timing import install_dict
+
+    install_dict(args.get("timing"))  # before the engine builds its connector worker (in this process)
     from vllm import LLM, SamplingParams
 
     from kvtier.connector.kvtier_connector import KVTierConnector

@@ -186,12 +186,15 @@ def test_connector_from_shipped_config_moves_kv_through_host_and_ssd_tiers(tmp_p
 
     from kvtier.compat.vllm_hit_sources import hit_source_labels
     from kvtier.connector.messages import KVTierConnectorMetadata
+    from kvtier.connector.worker_side import WorkerSide
+    from kvtier.testing.transfer_timing import HeldTransfers
 
     # the prefetch sleeps first, so the request surely meets the scheduler while its chunks are still on SSD;
     # loads and saves inside the step (this test follows KV through the tiers; the asynchronous protocol has its
     # own compat tests in test_connector_scheduler.py)
-    vllm_config = vllm_config_from_shipped_json(tmp_path, monkeypatch, debug_prefetch_delay_s=0.5,
-                                                sync_load_budget_tokens=1 << 20, async_saves=False)
+    monkeypatch.setattr(WorkerSide, "timing", HeldTransfers(prefetch_delay=0.5))
+    vllm_config = vllm_config_from_shipped_json(tmp_path, monkeypatch, sync_load_budget_tokens=1 << 20,
+                                                async_saves=False)
     backend = platform_backend()
     layout = declared_layouts(backend_class(backend))[0]
     kv_cache_config = kv_cache_config_for(vllm_config, layout)

@@ -45,6 +45,9 @@ def test_valid_config_is_page_first_with_inline_overrides(lmcache_yaml, tmp_path
     ({"kvtier.chunk_format": "KV_2LTD"}, "page-first"),
     ({"kvtier.page_tokens": 24}, "not a multiple of kvtier.page_tokens"),
     ({"kvtier.connector": {"prefetch_concurency": 2}}, "kvtier.connector.prefetch_concurency"),
+    # the former test-only knobs are no settings (tests inject them: kvtier.testing.transfer_timing)
+    ({"kvtier.connector": {"debug_load_hold_steps": 6}}, "unknown key(s) kvtier.connector.debug_load_hold_steps"),
+    ({"kvtier.connector": {"debug_prefetch_delay_s": 1.5}}, "unknown key(s) kvtier.connector.debug_prefetch_delay_s"),
     ({"kvtier.connector": {"kv_layout": "weird"}}, "kv_layout"),
     ({"kvtier.connector": {"idle_wait_ms": -1}}, "kvtier.connector.idle_wait_ms must be a number >= 0"),
     ({"kvtier.connector": {"idle_wait_ms": "20"}}, "kvtier.connector.idle_wait_ms must be a number >= 0"),
@@ -317,6 +320,8 @@ def test_check_config_validates_a_vllm_kv_transfer_json(lmcache_yaml, tmp_path):
                                                    "kvtier.scheduler": {"delay_hitt": True}}}, "delay_hitt"),
         ({**shipped, "kv_connector_extra_config": {**shipped["kv_connector_extra_config"],
                                                    "kvtier.io_thread": 2}}, "kvtier.io_thread"),
+        ({**shipped, "kv_connector_extra_config": {**shipped["kv_connector_extra_config"], "kvtier.connector": {
+            "debug_hold_request_prefix": "x"}}}, "unknown key(s) kvtier.connector.debug_hold_request_prefix"),
     ]
     for spec, needle in bad:
         with pytest.raises(ConfigError) as e:

@@ -2,7 +2,7 @@
 
 One engine process (a tiny random Llama, no download; vLLM's prefix cache off; 8 usable KV blocks of 32 tokens)
 with kvtier's connector, saves off the step, and request `holdA`'s saves held on the transfer thread for 8
-engine steps (`debug_save_hold_steps`). Driven through `LLMEngine.step`:
+engine steps (`kvtier.testing.transfer_timing.HeldTransfers`). Driven through `LLMEngine.step`:
 
 1. `holdA`: a 96-token prompt P (3 chunks), 2 output tokens. Right after its prefill, its 96 prompt tokens' KV
    is copied out of vLLM's KV cache (the reference). It finishes while its save is still held.
@@ -32,6 +32,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.testing.transfer_timing import HeldTransfers  # noqa: E402
 from kvtier.testing.vllm_engine import ENGINE_ENV, tiny_llama  # noqa: E402
 from kvtier.tests.test_connector_vllm import kv_config, lmcache_yaml  # noqa: E402
 
@@ -46,6 +47,9 @@ def main():
     import faulthandler
 
     faulthandler.dump_traceback_later(300, exit=True)  # a hang shows its stacks
+    from kvtier.testing.transfer_timing import install_dict
+
+    install_dict(a["timing"])  # holdA's saves held on the transfer thread (before the engine starts)
     import torch
     from vllm import LLM, SamplingParams
 
@@ -81,6 +85,8 @@ def main():
         while eng.has_unfinished_requests():
             for o in eng.step():
                 if o.finished:
+                    if o.request_id == "holdA":  # its saves wait on the transfer thread (held 8 steps)
+                        out["saves_in_flight_at_holdA_finish"] = ws.transfers.inflight("save")
                     c = o.outputs[0]
                     out["requests"][o.request_id] = {  # outputs carry the id given to add_request
                         "tokens": list(c.token_ids),
@@ -120,12 +126,12 @@ if __name__ == "__main__":
 '''
 
 
-def _run(work: Path, name: str, model: Path, ktc: dict) -> dict:
+def _run(work: Path, name: str, model: Path, ktc: dict, timing: HeldTransfers) -> dict:
     script = work / "engine_inflight.py"
     script.write_text(ENGINE_SCRIPT)
     args = work / f"{name}.args.json"
     tiny_llama(model)  # the tests' tiny random Llama (no download)
-    args.write_text(json.dumps({"model": str(model), "ktc": ktc,
+    args.write_text(json.dumps({"model": str(model), "ktc": ktc, "timing": timing.as_dict(),
                                 "out": str(work / f"{name}.out.json")}))
     p = subprocess.run([sys.executable, str(script), str(args)], cwd=work, env={**os.environ, **ENGINE_ENV},
                        capture_output=True, text=True, timeout=400)
@@ -136,8 +142,8 @@ def _run(work: Path, name: str, model: Path, ktc: dict) -> dict:
 
 def test_save_in_flight_at_finish_is_neither_lost_nor_overwritten(tmp_path):
     got = _run(tmp_path, "kvtier", tmp_path / "model", kv_config(
-        lmcache_yaml(tmp_path, tmp_path / "ssd", host_chunks=64), sync_load_budget_tokens=0,
-        debug_hold_request_prefix="holdA", debug_save_hold_steps=8))
+        lmcache_yaml(tmp_path, tmp_path / "ssd", host_chunks=64), sync_load_budget_tokens=0),
+        HeldTransfers(requests=("holdA",), save_hold=8))
     c = got["counters"]
     assert got["admitted"][-1][1:] == [96, 0, 0], got["admitted"]  # D, the last admission: 96 tokens from host
     assert got["kv_blocks_equal"] == [True, True, True], "D's KV loaded from kvtier differs from holdA's " \
@@ -146,6 +152,7 @@ def test_save_in_flight_at_finish_is_neither_lost_nor_overwritten(tmp_path):
     # holdA finished with its save in flight (held 8 steps; it finished in its 2nd): vLLM kept its blocks (B's
     # saves, queued behind holdA's, may still be running when B finishes too)
     assert c["delayed_frees"] >= 1, c
+    assert got["saves_in_flight_at_holdA_finish"] >= 1, "holdA's held save was not in flight when it finished"
     assert c["async_loads"] == 1 and c["sync_loads"] == 0, c
     assert got["metrics"].get("kvtier_connector_hit_tokens_total/tier=host", 0) == 96, got["metrics"]
     assert got["metrics"].get("kvtier_connector_load_error_blocks_total", 0) == 0

@@ -25,6 +25,7 @@ pytest.importorskip("vllm")
 
 from kvtier.launch.lmcache_yaml import write_lmcache_yaml  # noqa: E402
 from kvtier.testing.ssd import flip_a_byte_in_every_slot  # noqa: E402
+from kvtier.testing.transfer_timing import HeldTransfers  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,11 +39,12 @@ LLM_KW = {"max_model_len": 1024, "max_num_seqs": 4, "disable_log_stats": False}
 
 def run_engine(workdir: Path, name: str, model: Path, conversations: list, schedule: list, *,
                max_tokens: int = 16, kv_transfer_config: dict | None = None, scheduler_cls: str | None = None,
-               engine_kw: dict | None = None) -> dict:
+               engine_kw: dict | None = None, timing: HeldTransfers | None = None) -> dict:
     """One engine process runs the conversations' turns batch by batch (greedy, logprobs of the chosen tokens),
-    then reports the connector's snapshot, kvtier's metrics and vLLM's hit sources."""
+    then reports the connector's snapshot, kvtier's metrics and vLLM's hit sources (`timing`: the worker's
+    transfers held or slowed, `kvtier.testing.transfer_timing`)."""
     llm = dict(LLM_KW, kv_transfer_config=kv_transfer_config, scheduler_cls=scheduler_cls, **(engine_kw or {}))
-    with EngineProcess(workdir, name, model, llm=llm, watchdog_s=400) as eng:
+    with EngineProcess(workdir, name, model, llm=llm, watchdog_s=400, timing=timing) as eng:
         eng.ready()
         out = {"batches": run_conversations(eng, conversations, schedule, max_tokens, logprobs=True)}
         out.update(eng.stats())
@@ -86,8 +88,8 @@ def runs(tmp_path_factory):
     yaml_path = lmcache_yaml(work, ssd, host_chunks=4, extra={"eviction_policy": "answer-length"})
     out = {"work": work, "convs": convs, "yaml": yaml_path}
     out["baseline"] = run_engine(work, "baseline", **base)
-    out["run1"] = run_engine(work, "run1", **base, kv_transfer_config=kv_config(
-        yaml_path, debug_prefetch_delay_s=1.5))
+    out["run1"] = run_engine(work, "run1", **base, kv_transfer_config=kv_config(yaml_path),
+                             timing=HeldTransfers(prefetch_delay=1.5))
     try:
         import kvtier.scheduler_hooks.dual_queue  # noqa: F401
 
@@ -104,9 +106,8 @@ def runs(tmp_path_factory):
     # meanwhile), their saves 40 steps (still in flight when request 5 finishes: vLLM keeps its blocks; and when
     # request 11 is preempted: the step waits for them before its forward pass reuses the blocks)
     out["tight"] = run_engine(work, "tight", **tight, kv_transfer_config=kv_config(
-        lmcache_yaml(work, work / "ssd-tight", host_chunks=64), sync_load_budget_tokens=0,
-        debug_hold_request_prefix=HELD,
-        debug_load_hold_steps=6, debug_save_hold_steps=40))
+        lmcache_yaml(work, work / "ssd-tight", host_chunks=64), sync_load_budget_tokens=0),
+        timing=HeldTransfers(requests=tuple(HELD), load_hold=6, save_hold=40))
     out["flipped"] = flip_a_byte_in_every_slot(ssd)
     out["run3"] = run_engine(work, "run3", **base, kv_transfer_config=kv_config(yaml_path), scheduler_cls=sched)
     return out
@@ -313,8 +314,8 @@ def idle_runs(tmp_path_factory):
     for name, sched in (("plain", None), ("dual_queue", "kvtier.scheduler_hooks.DualQueueScheduler")):
         yaml_path = lmcache_yaml(work, work / f"ssd-{name}", host_chunks=4, extra={"eviction_policy": "answer-length"})
         out[name] = run_engine(work, name, **base, scheduler_cls=sched, kv_transfer_config=kv_config(
-            yaml_path, sync_load_budget_tokens=0, idle_wait_ms=IDLE_WAIT_MS, debug_prefetch_delay_s=IDLE_DELAY_S,
-            debug_load_delay_s=IDLE_DELAY_S))
+            yaml_path, sync_load_budget_tokens=0, idle_wait_ms=IDLE_WAIT_MS),
+            timing=HeldTransfers(prefetch_delay=IDLE_DELAY_S, load_delay=IDLE_DELAY_S))
     return out
 
 

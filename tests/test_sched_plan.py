@@ -22,6 +22,7 @@ from kvtier.scheduler_hooks.load_plan import (
     LoadPlanner,
     PlanContext,
 )
+from kvtier.scheduler_hooks.prefix_walk import HOST, RESIDENT, SSD, walk_chunks
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 
 COST = LoadCostModel()  # Llama-3-8B on an H100, 1.5 GB/s SSD
@@ -155,9 +156,27 @@ def test_walk_prefix_follows_the_workers_rules():
               ("host", 256, 0)]
     assert walk_prefix(chunks) == Residency(host_end=512, hit_end=1280, ssd_tokens=512, ssd_bytes=18)
     assert walk_prefix([]) == Residency()
+    walk = walk_chunks(chunks, lambda c, _run: c)
+    assert walk.residency == walk_prefix(chunks) and walk.stop == 5
     owners = [("a", 256), ("a", 256), (None, 256), ("b", 256)]
     assert count_inflight(owners, "me") == 512 and count_inflight(owners, "a") == 0
     assert count_inflight([("b", 10), ("a", 10)], "a") == 10
+
+
+def test_the_workers_walk_asks_lazily_and_keeps_an_unpinned_host_chunk_out_of_the_host_run():
+    """`walk_chunks` as the worker's lookup drives it: `locate` learns whether the host run is unbroken (the worker
+    pins only there), is asked nothing past the first chunk resident nowhere, and a `RESIDENT` chunk (in the host
+    tier, not pinned) counts as a hit without ending or extending the host run."""
+    places = [HOST, RESIDENT, HOST, SSD, RESIDENT, None, HOST]
+    asked = []
+
+    def locate(i: int, in_host_run: bool) -> tuple[str | None, int, int]:
+        asked.append((i, in_host_run))
+        return places[i], 32, 7
+
+    walk = walk_chunks(range(len(places)), locate)
+    assert walk.residency == Residency(host_end=96, hit_end=160, ssd_tokens=32, ssd_bytes=7) and walk.stop == 5
+    assert asked == [(0, True), (1, True), (2, True), (3, True), (4, False), (5, False)]
 
 
 def test_derive_tier_hint_without_and_with_a_plan():
