@@ -239,18 +239,18 @@ class SchedulerSide:
             rid = self.prefetches.next(now)
             if rid is None:
                 break
-            st = self.reqs.get(rid)
-            if st is None or st.prefetch != "queued":
+            queued = self.reqs.get(rid)
+            if queued is None or queued.prefetch != "queued":
                 continue
             try:
-                self.prefetches.issue(rid, st.key_tokens(), now, st.tag)
+                self.prefetches.issue(rid, queued.key_tokens(), now, queued.tag)
             except RPCError as e:
                 logger.warning("kvtier: cannot issue the prefetch of %s (%s)", rid, e)
-                self._prefetched(st, False, now)
+                self._prefetched(queued, False, now)
                 continue
-            st.prefetch = "inflight"
+            queued.prefetch = "inflight"
             self.counters["prefetches"] += 1
-            self._publish(st)
+            self._publish(queued)
         M.PREFETCH_INFLIGHT.set(len(self.prefetches.inflight))
         M.PREFETCH_QUEUE.set(self.prefetches.queued_locally() if self.policy is None else
                              sum(1 for s in self.reqs.values() if s.prefetch == "queued"))
@@ -493,9 +493,9 @@ class SchedulerSide:
             for st, end in self.saves.report(meta.completed_saves):
                 self.computing.done(st, end)
         for rid in output.finished_recving or ():
-            st = self.reqs.get(rid)
-            if st is not None:
-                st.loading = False
+            loaded = self.reqs.get(rid)
+            if loaded is not None:
+                loaded.loading = False
         for rid in output.finished_sending or ():
             self.saves.released(rid)
 

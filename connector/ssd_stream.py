@@ -28,7 +28,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvtier.connector.worker_storage import SSDTierHandle
-    from kvtier.storage_backends.base import ChunkMeta
+    from kvtier.storage_backends.base import ChunkMeta, HostTier
     from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class SSDStream:
     """A worker rank's bounded staging area between the SSD tier and vLLM's KV blocks (one user at a time: the
     transfer thread, under the engine lock)."""
 
-    def __init__(self, ssd: SSDTierHandle, host: Any, connector: PageFirstGPUConnector, stage_chunks: int,
+    def __init__(self, ssd: SSDTierHandle, host: HostTier, connector: PageFirstGPUConnector, stage_chunks: int,
                  device: torch.device | str = "cpu") -> None:
         if stage_chunks < 1:
             raise ValueError(f"a staging area needs at least one chunk, got {stage_chunks}")

@@ -78,6 +78,7 @@ from kvtier.storage_backends.eviction import session_signals
 
 if TYPE_CHECKING:
     from kvtier.connector.shared_side import SharedSide
+    from kvtier.storage_backends.base import HostTier
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class WorkerSide(WorkerTransfers):
         self.engine: Any = None
         #: what computes this rank's KV (set when the KV caches are registered)
         self.fingerprint: ModelFingerprint | None = None
-        self.host: Any = None  # LMCache LocalCPUBackend
+        self.host: HostTier | None = None  # LMCache's LocalCPUBackend
         self.ssd: SSDTierHandle | None = None  # kvtier's SSD tier, through the LMCache plugin that owns it
         self.shared: SharedSide | None = None  # when the LMCache config names a shared store
         #: lookups, pins and prefetches (built with the engine)
@@ -189,7 +190,7 @@ class WorkerSide(WorkerTransfers):
         from lmcache.v1.metadata import LMCacheMetadata
 
         from kvtier.kernels.layout import KVLayoutKind, LayoutError
-        from kvtier.storage_backends.lmcache.backend import kvtier_backend
+        from kvtier.storage_backends.lmcache.engine_access import host_tier, kvtier_plugin
         from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
 
         try:
@@ -221,17 +222,18 @@ class WorkerSide(WorkerTransfers):
         self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.cfg.lmcache, md, gpu_conn,
                                                          lambda t, r: None, lambda o, r: o)
         self.engine.post_init()
-        plugin = kvtier_backend(self.engine)
+        plugin = kvtier_plugin(self.engine)
         if plugin is None or plugin.tier is None:
             self.close()
             raise ConfigError(f"LMCache did not start the kvtier SSD tier from {self.cfg.config_file} (its start-up "
                               "error is in the log above: LMCache only logs it); run `kvtier check-config "
                               f"{self.cfg.config_file}` to see the problem")
         self.ssd = SSDTierHandle(plugin)
-        self.host = self.engine.storage_manager.storage_backends.get("LocalCPUBackend")
-        if self.host is None:
+        try:
+            self.host = host_tier(self.engine)
+        except ConfigError:
             self.close()
-            raise ConfigError("LMCache started without its host tier (LocalCPUBackend); set local_cpu: true")
+            raise
         self.transfers = TransferQueue(self._engine_lock, self.kv_list[0].device, on_done=self._notify_progress)
         if self.cfg.options.ssd_stream_chunks > 0:
             self.stream = SSDStream(self.ssd, self.host, gpu_conn, self.cfg.options.ssd_stream_chunks,

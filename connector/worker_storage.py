@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from lmcache.v1.memory_management import MemoryObj
 
     from kvtier.connector.shared_side import SharedSide
-    from kvtier.storage_backends.base import ChunkMeta, TierStats
+    from kvtier.storage_backends.base import ChunkMeta, HostTier, TierStats
     from kvtier.storage_backends.lmcache.backend import KVTierBackend
     from kvtier.storage_backends.lmcache.host_pool import HostPoolWatch
 
@@ -66,10 +66,10 @@ class SSDTierHandle:
     """The worker side's narrow view of kvtier's SSD tier (through the LMCache plugin that owns it)."""
 
     def __init__(self, plugin: KVTierBackend) -> None:
-        if plugin.tier is None:
-            raise ValueError("the kvtier plugin runs without an SSD tier (scheduler role)")
+        from kvtier.storage_backends.lmcache.engine_access import plugin_ssd_tier
+
         self._plugin = plugin
-        self._tier = plugin.tier
+        self._tier = plugin_ssd_tier(plugin)
 
     @property
     def directory(self) -> str:
@@ -150,7 +150,7 @@ class WorkerStorage:
     """Lookups, host-memory pins and prefetches of one worker rank (thread-safe: the RPC thread, the prefetch
     threads and the engine thread call it)."""
 
-    def __init__(self, host: Any, ssd: SSDTierHandle, shared: SharedSide | None, chunks: Chunks, chunk_size: int,
+    def __init__(self, host: HostTier, ssd: SSDTierHandle, shared: SharedSide | None, chunks: Chunks, chunk_size: int,
                  options: ConnectorOptions, stat: Callable[..., None], on_progress: Callable[[], None],
                  *, direct_ssd: bool = False, timing: TransferTiming = AT_ONCE) -> None:
         self.host = host  # LMCache LocalCPUBackend
@@ -263,7 +263,7 @@ class WorkerStorage:
         if delay > 0:
             time.sleep(delay)
         own: dict[Any, threading.Event] = {}  # chunks this prefetch reads for every prefetch that needs them
-        acc = [0, 0, True]  # bytes and tokens put into the host tier, whether every chunk arrived
+        acc: list[Any] = [0, 0, True]  # bytes and tokens put into the host tier, whether every chunk arrived
         try:
             todo, waits, chunks, missing = [], [], self._chunks(tokens, tag), None
             with self._lock:

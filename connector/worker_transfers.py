@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,7 +88,7 @@ class WorkerTransfers:
             if spec.is_async and self.transfers is not None:
                 if fence is None:  # after this step's zeroing of new blocks (GPU)
                     fence = StreamFence(self.kv_list[0].device)
-                self.transfers.submit(TransferJob("load", spec.req_id, lambda sp=spec: (self._load(sp),), spec=spec,
+                self.transfers.submit(TransferJob("load", spec.req_id, partial(self._load_job, spec), spec=spec,
                                                   fence=fence, hold_steps=self.timing.load_hold_steps(spec.req_id),
                                                   delay_s=self.timing.load_delay_s(spec.req_id)))
                 self._loading.add(spec.req_id)
@@ -96,6 +97,10 @@ class WorkerTransfers:
             with self._engine_lock:
                 bad_from = self._load(spec)
             self._finish_load(spec, bad_from, time.monotonic() - t0, "sync")
+
+    def _load_job(self, spec: LoadSpec) -> tuple[int | None]:
+        """An asynchronous load's job: `_load`'s answer, as the transfer thread hands it back."""
+        return (self._load(spec),)
 
     def _load(self, spec: LoadSpec) -> int | None:
         """Retrieve `spec`'s tokens into its blocks (host tier, then the SSD stream from `spec.stream_from`);
@@ -170,7 +175,7 @@ class WorkerTransfers:
             return
         fence = StreamFence(self.kv_list[0].device)  # after this step's forward pass computed the KV (GPU)
         for spec in md.saves:
-            self.transfers.submit(TransferJob("save", spec.req_id, lambda sp=spec: self._save(sp), spec=spec,
+            self.transfers.submit(TransferJob("save", spec.req_id, partial(self._save, spec), spec=spec,
                                               fence=fence, hold_steps=self.timing.save_hold_steps(spec.req_id)))
 
     def _save(self, spec: SaveSpec) -> None:
@@ -200,7 +205,9 @@ class WorkerTransfers:
         does not fit (the pool held by pins) is counted (`kvtier_host_pool_lost_chunks_total`)."""
         tokens = torch.tensor(spec.token_ids, dtype=torch.long)
         slots = slot_mapping(spec.block_ids, self.block_size, n)
-        watch, skip = self.ssd.pool_watch, spec.skip
+        ssd = self.ssd
+        assert ssd is not None, "saves run once register_kv_caches opened the SSD tier"
+        watch, skip = ssd.pool_watch, spec.skip
         retried = False
         while True:
             mask = torch.ones(n, dtype=torch.bool)
@@ -214,7 +221,7 @@ class WorkerTransfers:
             if retried and not sc.ok:  # waiting for the SSD writes freed nothing: the pool is held otherwise
                 break
             retried = True
-            self.ssd.flush(self.STORE_RETRY_WAIT_S)
+            ssd.flush(self.STORE_RETRY_WAIT_S)
         watch.report_lost("store", -(-(n - skip) // self.cfg.chunk_size))
         return skip
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvtier.scheduler_hooks.load_plan import LoadPlanner
 from kvtier.scheduler_hooks.tier_hint import TierHint
@@ -150,6 +150,6 @@ class Waiting:
     gpu_need: int
     seq: int
     where: str = ""  # "ready" | "preparing" | "loading"
-    key: tuple = field(default=())  # (arrival, seq): position in the ready list
+    key: tuple[Any, ...] = field(default=())  # (arrival, seq): position in the ready list
     service: float = 0.0  # estimated GPU seconds (ready requests)
     inv: float = 0.0  # 1 / service: HRRN's ratio grows at this rate

@@ -219,7 +219,7 @@ class DualQueuePolicy:
             gain = self.planner.idle_gain_s(plan, rs, rho)
             if gain > best_gain:
                 best, best_gain, best_read = w, gain, rs
-        if best is None:
+        if best is None or best.hint.plan is None:  # (a waiting request with an SSD part has a plan)
             return None
         plan = self.planner.recompute_now(best.hint.plan, best_read, rho)
         if plan is None:
@@ -558,8 +558,8 @@ def make_scheduling_policy(name: str, config: DualQueueConfig | None = None) -> 
                       ready_order="hrrn" if "hrrn" in mods else "arrival", load_plan=plan)
         if "eager-replan" in mods:
             cfg = replace(cfg, idle_replan_counts_arrivals=False)
-        p = DualQueuePolicy(cfg)
-        p.name = name
-        return p
+        dq = DualQueuePolicy(cfg)
+        dq.name = name
+        return dq
     raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULER_NAMES)} (dual-queue names "
                      f"may combine the modifiers +{', +'.join(DUAL_QUEUE_MODIFIERS)})")

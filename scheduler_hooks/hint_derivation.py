@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from kvtier.scheduler_hooks.load_plan import LoadAction, LoadPlanner, PlanContext
+from kvtier.scheduler_hooks.load_plan import LoadAction, PlanContext, PlanSource
 from kvtier.scheduler_hooks.prefix_walk import HOST, SSD, PrefixResidency, Residency, walk_prefix
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState, classify
 
@@ -70,7 +70,7 @@ def derive_tier_hint(
     prefetch: PrefetchPhase | str = PrefetchPhase.NONE,
     inflight_tokens: int = 0,
     prompt_tokens: int = 0,
-    planner: LoadPlanner | None = None,
+    planner: PlanSource | None = None,
     context: PlanContext | None = None,
 ) -> TierHint:
     """The `TierHint` to publish for one waiting request (see the module docstring)."""

@@ -46,13 +46,14 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.scheduler_hooks import metrics as M
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "PlanSource",
     "LOAD_PLAN_KEYS",
     "LoadAction",
     "LoadCostModel",
@@ -237,6 +238,13 @@ class LoadPlanConfig:
                 raise ValueError(f"{prefix}.calibration_weight must be in (0, 1], got {cw!r}")
             out["calibration_weight"] = cw
         return cls(**out)
+
+
+class PlanSource(Protocol):
+    """What hands a request's load plan to `derive_tier_hint`: a `LoadPlanner`, or a plan already made."""
+
+    def plan(self, *, prompt_tokens: int, gpu_tokens: int, host_end: int, hit_end: int, ssd_tokens: int,
+             ssd_bytes: int, context: PlanContext = ..., ssd_committed: bool = False) -> LoadPlan: ...
 
 
 class LoadPlanner:
