@@ -53,53 +53,51 @@ run_suite() {  # id env junit-name pytest-args...
   rcs[$id]=$rc
 }
 
+tool_env() {  # name pins...: a small cached environment of its own, keyed by its pins; prints its path
+  local name=$1
+  shift
+  local env="${KVTIER_ENV_CACHE:-$HOME/.cache/kvtier/envs}/$name-$(echo "$*" | sha256sum | cut -c1-12)"
+  if [ ! -x "$env/bin/python" ] || [ ! -f "$env/.complete" ]; then
+    rm -rf "$env"
+    { python3 -m venv "$env" && "$env/bin/python" -m pip install -q "$@" && touch "$env/.complete"; } \
+      2> >(grep -v "is ignored: it is neither" >&2) >&2 || echo "the $name environment failed to build" >&2
+  fi
+  echo "$env"
+}
+
+check_step() {  # name message rc output-file: one junit test case for the totals line, and the step's exit status
+  python3 - "$2" "$3" "$4" "$out/$1.xml" "$1" <<'PYEOF'
+import sys
+from xml.sax.saxutils import escape
+message, rc, text, xml, name = sys.argv[1], int(sys.argv[2]), open(sys.argv[3]).read(), sys.argv[4], sys.argv[5]
+fail = "" if rc == 0 else f'<failure message="{escape(message)}">{escape(text)}</failure>'
+open(xml, "w").write(f'<testsuite name="{name}" tests="1" failures="{int(rc != 0)}" errors="0" skipped="0">'
+                     f'<testcase classname="{name}" name="{name}">{fail}</testcase></testsuite>')
+PYEOF
+  rcs[$1]=$3
+}
+
 # 0. lint: ruff (settings in pyproject.toml), from its own small cached environment; a finding fails the run
-RUFF_VERSION=0.16.9
-lint_env="${KVTIER_ENV_CACHE:-$HOME/.cache/kvtier/envs}/ruff-$RUFF_VERSION"
-if [ ! -x "$lint_env/bin/ruff" ]; then
-  rm -rf "$lint_env"
-  python3 -m venv "$lint_env" && "$lint_env/bin/python" -m pip install -q "ruff==$RUFF_VERSION" \
-    2> >(grep -v "is ignored: it is neither" >&2) || echo "the ruff environment failed to build" >&2
-fi
-echo "== lint: ruff $RUFF_VERSION check ."
+RUFF_PIN="ruff==0.16.9"
+lint_env=$(tool_env ruff "$RUFF_PIN")
+echo "== lint: $RUFF_PIN check ."
 "$lint_env/bin/ruff" check --no-cache . > "$out/lint.txt" 2>&1
 lint_rc=$?
 cat "$out/lint.txt"
-python3 - "$lint_rc" "$out/lint.txt" "$out/lint.xml" <<'PYEOF'
-import sys
-from xml.sax.saxutils import escape
-rc, text, xml = int(sys.argv[1]), open(sys.argv[2]).read(), sys.argv[3]
-fail = "" if rc == 0 else f'<failure message="ruff check found problems">{escape(text)}</failure>'
-open(xml, "w").write(f'<testsuite name="lint" tests="1" failures="{int(rc != 0)}" errors="0" skipped="0">'
-                     f'<testcase classname="lint" name="ruff_check">{fail}</testcase></testsuite>')
-PYEOF
-rcs[lint]=$lint_rc
+check_step lint "ruff check found problems" "$lint_rc" "$out/lint.txt"
 
 main=$(scripts/env.sh main) || { echo "environment 'main' failed to build" >&2; exit 1; }
 
 # 0b. types: mypy over the production packages (pyproject.toml's [tool.mypy]: strict where the contracts live),
-# from its own small cached environment keyed by its pins; third-party packages without them are untyped (Any)
-MYPY_PINS="mypy==2.4.1 msgspec==0.23.0 numpy==2.2.6 prometheus_client==0.24.1"
-type_env="${KVTIER_ENV_CACHE:-$HOME/.cache/kvtier/envs}/mypy-$(echo "$MYPY_PINS" | sha256sum | cut -c1-12)"
-if [ ! -x "$type_env/bin/mypy" ]; then
-  rm -rf "$type_env"
-  python3 -m venv "$type_env" && "$type_env/bin/python" -m pip install -q $MYPY_PINS \
-    2> >(grep -v "is ignored: it is neither" >&2) || echo "the mypy environment failed to build" >&2
-fi
+# from its own cached environment; vLLM, LMCache and torch are not in it (what comes from them is untyped, Any)
+type_env=$(tool_env mypy "mypy==2.4.1" "msgspec==0.23.0" "numpy==2.2.6" "prometheus_client==0.24.1")
 echo "== types: mypy over the production packages"
 ( cd .kvtier-import && "$type_env/bin/mypy" --config-file ../pyproject.toml --cache-dir "$out/mypy-cache" ) \
   > "$out/types.txt" 2>&1
 types_rc=$?
 cat "$out/types.txt"
-python3 - "$types_rc" "$out/types.txt" "$out/types.xml" <<'PYEOF'
-import sys
-from xml.sax.saxutils import escape
-rc, text, xml = int(sys.argv[1]), open(sys.argv[2]).read(), sys.argv[3]
-fail = "" if rc == 0 else f'<failure message="mypy found problems">{escape(text)}</failure>'
-open(xml, "w").write(f'<testsuite name="types" tests="1" failures="{int(rc != 0)}" errors="0" skipped="0">'
-                     f'<testcase classname="types" name="mypy">{fail}</testcase></testsuite>')
-PYEOF
-rcs[types]=$types_rc
+check_step types "mypy found problems" "$types_rc" "$out/types.txt"
+
 # The other combinations' environments build in the background while the main suite runs (a fresh machine
 # downloads ~25 GB; that is I/O the suite does not wait for). A failed build is retried, and reported, below.
 others=$(for id in $ids; do [ "$id" = "$main_id" ] || echo "$id"; done)

@@ -45,13 +45,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvtier.scheduler_hooks.hint_derivation import PrefixResidency
+from kvtier.scheduler_hooks.hint_derivation import PrefixResidency, Residency
 from kvtier.sim.base import TRACE_BLOCK_TOKENS, GpuJob, SimConfig, SimRequest, SimResult, percentile
 from kvtier.sim.engine import Simulator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROUTINGS", "Cluster", "ClusterResult", "RemoteConfig", "RemoteResidency", "RemoteView", "SimRemoteStore",
+__all__ = ["ROUTINGS", "Cluster", "ClusterResult", "RemoteConfig", "RemoteView", "SimRemoteStore",
            "route", "run_cluster"]
 
 ROUTINGS = ("round-robin", "sticky")
@@ -87,19 +87,6 @@ class RemoteConfig:
     @property
     def latency_s(self) -> float:
         return self.latency_ms / 1e3
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteResidency:
-    """A prefix walk with a shared-tier part: the fields of production's `LookupResult` that `derive_tier_hint`
-    reads (that type itself imports vLLM)."""
-
-    host_end: int = 0
-    hit_end: int = 0
-    ssd_tokens: int = 0
-    ssd_bytes: int = 0
-    remote_tokens: int = 0
-    remote_bytes: int = 0
 
 
 class SimRemoteStore:
@@ -269,7 +256,8 @@ class RemoteView:
             i += 1
         if not rt:
             return res, stop
-        return RemoteResidency(res.host_end, res.hit_end + rt, res.ssd_tokens, res.ssd_bytes, rt, rb), i
+        return Residency(host_end=res.host_end, hit_end=res.hit_end + rt, ssd_tokens=res.ssd_tokens,
+                         ssd_bytes=res.ssd_bytes, remote_tokens=rt, remote_bytes=rb), i
 
     def read(self, rid: str, blocks: list[int]) -> None:
         sim = self.sim
