@@ -45,7 +45,8 @@ def main() -> None:
     from kvtier.configs import path as config_path
     from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
     from kvtier.launch.redis_server import RedisServer
-    from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+    from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+    from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
     from kvtier.storage_backends.shared.config import SharedTierOptions
     from kvtier.storage_backends.shared.tier import attach_shared_tier
 
@@ -63,7 +64,7 @@ def main() -> None:
         (w / "lmcache.yaml").write_text(text)
         with RedisServer(args.port, w / "redis") as redis:
             engine = build_engine(load_lmcache_config(str(w / "lmcache.yaml")), shape)
-            ssd = kvtier_backend(engine)
+            ssd = kvtier_plugin(engine)
             shared = attach_shared_tier(engine, lambda meta: True, "bench", SharedTierOptions(timeout_s=30.0))
             host = engine.storage_manager.storage_backends["LocalCPUBackend"]
             res: dict[str, list[float]] = {k: [] for k in ("shared_put", "ssd_put", "shared_get", "ssd_get")}

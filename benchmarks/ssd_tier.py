@@ -58,7 +58,8 @@ else:
 import torch  # noqa: E402
 
 from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
-from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
 from kvtier.storage_backends.ssd.posix_io import open_file, pread_full, pwrite_full  # noqa: E402
 from kvtier.storage_backends.ssd.slot_format import checksum  # noqa: E402
 from kvtier.testing.host_memory import anon_huge_mib, drop_page_cache, huge_page_buffer  # noqa: E402
@@ -155,7 +156,7 @@ class EngineMethod:
 
 
 def wait_kvtier(engine) -> None:
-    assert kvtier_backend(engine).flush(600)
+    assert kvtier_plugin(engine).flush(600)
 
 
 def local_disk(engine):
@@ -260,7 +261,7 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
                  f"  kvtier.ssd_path: {tmp}/kvtier-{r}\n  kvtier.ssd_capacity_gb: {cap}\n"
                  f"  kvtier.io_threads: {args.io_threads}\n"
                  + "".join(f"  kvtier.{p.partition('=')[0]}: {p.partition('=')[2]}\n" for p in args.kvtier),
-                 wait_kvtier, kvtier_backend),
+                 wait_kvtier, kvtier_plugin),
         BASELINES[0]: (f"local_disk: file://{tmp}/ld-{r}/\nmax_local_disk_size: {cap}\n", wait_local_disk, local_disk),
         BASELINES[1]: (f"local_disk: file://{tmp}/ldo-{r}/\nmax_local_disk_size: {cap}\n"
                        "extra_config:\n  use_odirect: true\n", wait_local_disk, local_disk),
@@ -269,19 +270,19 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
         # The same plugin with `prepare_slots` on, timed once its slot files are prepared (waited for below, not
         # timed): its writes overwrite zeroed blocks, as every write of a tier does once it has been full once.
         engines[PREPARED] = (engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-p-{r}")
-                             + "  kvtier.prepare_slots: true\n", wait_kvtier, kvtier_backend)
+                             + "  kvtier.prepare_slots: true\n", wait_kvtier, kvtier_plugin)
     if args.sealed:
         # the same plugin with chunks encrypted at rest (the secret file made here, mode 600)
         secret = os.path.join(tmp, f"secret-{r}")
         with open(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(os.urandom(32))
         engines[SEALED] = (engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-s-{r}")
-                           + f"  kvtier.encryption_key_file: {secret}\n", wait_kvtier, kvtier_backend)
+                           + f"  kvtier.encryption_key_file: {secret}\n", wait_kvtier, kvtier_plugin)
     if args.ab_read_piece_mib:
         # A/B in the same run: the same plugin with reads pieced at another size (e.g. one piece per segment)
         engines[f"{PLUGIN} piece {args.ab_read_piece_mib} MiB"] = (
             engines[PLUGIN][0].replace(f"kvtier-{r}", f"kvtier-b-{r}")
-            + f"  kvtier.read_piece_mb: {args.ab_read_piece_mib}\n", wait_kvtier, kvtier_backend)
+            + f"  kvtier.read_piece_mb: {args.ab_read_piece_mib}\n", wait_kvtier, kvtier_plugin)
     methods: dict[str, EngineMethod] = {}
     src, dst = host_buffer(batch_bytes), host_buffer(batch_bytes)
     src[:] = os.urandom(batch_bytes)
@@ -302,7 +303,7 @@ def one_repeat(r: int, tmp: str, args, shape: ModelShape, chunk: int, n_batches:
             tqdm.write(f"  {args.busy_now} busy threads running")
         if PREPARED in methods:
             t0 = time.perf_counter()
-            assert kvtier_backend(methods[PREPARED].engine).tier.wait_prepared(1800), "slot files not prepared"
+            assert kvtier_plugin(methods[PREPARED].engine).tier.wait_prepared(1800), "slot files not prepared"
             tqdm.write(f"  {PREPARED}: slot files prepared in {time.perf_counter() - t0:.1f} s (not timed)")
 
         def rec(name: str, dt: float, cpu: float, nbytes: int) -> None:

@@ -55,13 +55,14 @@ def _replay(name: str, yaml_text: str, requests, shape, block_tokens: int, chunk
     from tqdm import tqdm
 
     from kvtier.launch.lmcache_engine import build_engine, destroy_engine
-    from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+    from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+    from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(yaml_text)
     engine = build_engine(load_lmcache_config(f.name), shape)
     os.unlink(f.name)
-    plugin = kvtier_backend(engine)
+    plugin = kvtier_plugin(engine)
     res = RunResult(name)
     per_token = 2 * shape.num_layers * shape.hidden * torch.empty((), dtype=shape.dtype).element_size()
     t_start = time.perf_counter()

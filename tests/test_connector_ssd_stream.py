@@ -21,7 +21,8 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from kvtier.connector.ssd_stream import SSDStream  # noqa: E402
 from kvtier.connector.worker_storage import SSDTierHandle  # noqa: E402
 from kvtier.kernels import KVLayoutKind, vllm_cache_shape  # noqa: E402
-from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config  # noqa: E402
+from kvtier.storage_backends.lmcache.backend import load_lmcache_config  # noqa: E402
+from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
 from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector  # noqa: E402
 
 L, H, D, BLOCK, PAGE, CHUNK, NBLOCKS = 2, 2, 32, 16, 16, 32, 20
@@ -55,7 +56,7 @@ def stored(lmcache_yaml):
         slots = torch.arange(NCHUNKS * CHUNK)
         src = paged(1)
         eng.store(tokens, kvcaches=src, slot_mapping=slots)
-        plugin = kvtier_backend(eng)
+        plugin = kvtier_plugin(eng)
         assert plugin.flush(30) and plugin.tier.stats.committed == NCHUNKS
         host = eng.storage_manager.storage_backends["LocalCPUBackend"]
         host.clear()

@@ -25,7 +25,8 @@ import torch
 pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
 
 from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
-from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
 
 CHUNK = 16
 SHAPE = ModelShape("kvtier-test/pool", num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
@@ -42,7 +43,7 @@ def engine(lmcache_yaml, monkeypatch):
     per_chunk = SHAPE.chunk_bytes(CHUNK)
     e = build_engine(load_lmcache_config(lmcache_yaml(host_gb=16 * per_chunk / (1 << 30), ssd_capacity_gb=0.05)),
                      SHAPE)
-    b = kvtier_backend(e)
+    b = kvtier_plugin(e)
     real = b.tier._write_batch
     monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.02), real(batch))[1])
     monkeypatch.setattr(logging.getLogger("kvtier"), "propagate", True)  # vLLM's handler may own it: caplog

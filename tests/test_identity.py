@@ -315,11 +315,11 @@ def _configs(tag: str):
 def test_lmcache_keys_with_identity_tags_keep_tenants_apart_in_host_and_ssd(lmcache_yaml, lmcache_engines):
     """The connector's keys (LMCache's keys of the key tokens, the identity tag as a key tag) through a real engine
     with kvtier's plugin: stored for tenant A, found for A alone, from the host tier and from SSD, bit-exact."""
-    from kvtier.storage_backends.lmcache.backend import kvtier_backend
+    from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
     from kvtier.testing.engine_factory import TINY, random_kv
 
     e = lmcache_engines(lmcache_yaml())
-    b = kvtier_backend(e)
+    b = kvtier_plugin(e)
     tokens, kv = torch.arange(64), random_kv(TINY, 64, seed=5)
     a, bb = "a" * 32, "b" * 32
     e.store(tokens, kvcaches=kv, request_configs=_configs(a))
@@ -346,7 +346,7 @@ def test_plugin_weights_rewritten_in_place_are_misses_and_a_restart_keeps_them(l
                                                                                 tmp_path, caplog):
     """vLLM's `LMCacheConnectorV1` path: LMCache names the model by its path. The plugin binds the weights'
     content into the tier's namespace: the same files after a restart hit, new files at the same path miss."""
-    from kvtier.storage_backends.lmcache.backend import kvtier_backend
+    from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
     from kvtier.testing.engine_factory import TINY, random_kv
 
     model = write_model(tmp_path / "model", seed=0)
@@ -356,7 +356,7 @@ def test_plugin_weights_rewritten_in_place_are_misses_and_a_restart_keeps_them(l
 
     def run(want: int) -> Any:
         e = lmcache_engines(yaml, shape)
-        b = kvtier_backend(e)
+        b = kvtier_plugin(e)
         out = torch.zeros_like(kv)
         assert int(e.retrieve(tokens, kvcaches=out).sum()) == want
         return e, b

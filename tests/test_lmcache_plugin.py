@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (kvtier[lmcache])")
 
 from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
-from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
 from kvtier.testing.engine_factory import TINY as SHAPE
 from kvtier.testing.engine_factory import random_kv
 
@@ -49,13 +50,13 @@ def engine_from(lmcache_yaml, lmcache_engines):
 
 
 def test_plugin_is_loaded_from_the_yaml(engine_from):
-    b = kvtier_backend(engine_from())
+    b = kvtier_plugin(engine_from())
     assert b is not None and b.tier is not None, "LMCache did not load kvtier (its error is only logged)"
 
 
 def test_round_trip_served_by_plugin_after_host_tier_cleared(engine_from):
     e = engine_from()
-    b = kvtier_backend(e)
+    b = kvtier_plugin(e)
     tokens = torch.arange(100)
     kv = kv_for(100)
     e.store(tokens, kvcaches=kv)
@@ -72,7 +73,7 @@ def test_round_trip_served_by_plugin_after_host_tier_cleared(engine_from):
 def test_inclusive_with_host_tier(engine_from):
     """The SSD keeps a copy of what is in host memory: every stored chunk is in both tiers."""
     e = engine_from()
-    b = kvtier_backend(e)
+    b = kvtier_plugin(e)
     tokens = torch.arange(64)
     e.store(tokens, kvcaches=kv_for(64))
     assert b.flush(30)
@@ -83,7 +84,7 @@ def test_inclusive_with_host_tier(engine_from):
 
 def test_corrupt_chunk_is_recomputed_not_returned(engine_from):
     e = engine_from()
-    b = kvtier_backend(e)
+    b = kvtier_plugin(e)
     tokens = torch.arange(64)
     kv = kv_for(64, seed=3)
     e.store(tokens, kvcaches=kv)
@@ -108,12 +109,13 @@ STORE_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.argv = sys.argv
     from kvtier.launch.lmcache_engine import build_engine, destroy_engine
-    from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+    from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+    from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
     from kvtier.testing.engine_factory import TINY, random_kv
     e = build_engine(load_lmcache_config(sys.argv[1]), TINY)
     kv = random_kv(TINY, 160, seed=11)
     e.store(torch.arange(1000, 1160), kvcaches=kv)
-    assert kvtier_backend(e).flush(30)
+    assert kvtier_plugin(e).flush(30)
     destroy_engine(e)
     print("stored", flush=True)
 """)
@@ -126,7 +128,7 @@ def test_new_process_finds_previous_process_chunks(engine_from, lmcache_yaml):
                          timeout=300)
     assert "stored" in res.stdout, res.stderr[-3000:]
     e = engine_from()  # this (other) process, same YAML: sha256_cbor keys are restart-stable
-    b = kvtier_backend(e)
+    b = kvtier_plugin(e)
     assert len(b.tier) == 10
     tokens = torch.arange(1000, 1160)
     assert e.lookup(tokens) == 160
@@ -153,7 +155,7 @@ def test_async_loading_path(lmcache_yaml):
     cfg = load_lmcache_config(lmcache_yaml(lmcache_lines="enable_async_loading: true\n"))
     e = build_engine(cfg, SHAPE, async_lookup_server=server)
     try:
-        b = kvtier_backend(e)
+        b = kvtier_plugin(e)
         tokens = torch.arange(500, 580)
         kv = kv_for(80, seed=5)
         e.store(tokens, kvcaches=kv)
@@ -185,7 +187,7 @@ def test_slow_ssd_applies_backpressure_instead_of_dropping(lmcache_yaml, monkeyp
                                            ssd_capacity_gb=0.05, backpressure_timeout_s=300))
     e = build_engine(cfg, WIDE)
     try:
-        b = kvtier_backend(e)
+        b = kvtier_plugin(e)
         real = b.tier._write_batch
         monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.02), real(batch))[1])
         g = torch.Generator().manual_seed(9)
@@ -211,7 +213,7 @@ def _six_stores_while_the_ssd_lags(lmcache_yaml, monkeypatch, pause_after_done_s
     e = build_engine(load_lmcache_config(lmcache_yaml(host_gb=16 * per_chunk / (1 << 30), ssd_capacity_gb=0.05)),
                      WIDE)
     try:
-        b = kvtier_backend(e)
+        b = kvtier_plugin(e)
         assert b.tier.max_inflight_bytes == 8 * per_chunk
         real = b.tier._write_batch
         monkeypatch.setattr(b.tier, "_write_batch", lambda batch: (time.sleep(0.05), real(batch))[1])
@@ -310,7 +312,7 @@ def test_lmcache_frees_its_host_pool_only_after_the_ssd_writes_end(lmcache_yaml,
 
     monkeypatch.setattr(backend_module, "CLOSE_FLUSH_S", 0.2)
     e = build_engine(load_lmcache_config(lmcache_yaml(ssd_capacity_gb=0.05)), WIDE)
-    b = kvtier_backend(e)
+    b = kvtier_plugin(e)
     tier = b.tier
     real = tier._write_batch
     monkeypatch.setattr(tier, "_write_batch", lambda batch: (time.sleep(1.0), real(batch))[1])

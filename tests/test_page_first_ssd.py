@@ -12,7 +12,8 @@ from lmcache.v1.metadata import LMCacheMetadata
 
 from kvtier.kernels import KVLayoutKind, vllm_cache_shape
 from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
-from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
 from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
 
 L, H, D, BLOCK, PAGE, CHUNK, NBLOCKS = 2, 2, 32, 16, 16, 32, 16
@@ -39,7 +40,7 @@ def page_first_engine(yaml_path: str):
 def test_page_first_chunks_round_trip_through_ssd_and_stay_apart_from_kv_2ltd(lmcache_yaml):
     yaml_pf = lmcache_yaml(chunk_size=CHUNK, chunk_format="page_first", page_tokens=PAGE)
     eng = page_first_engine(yaml_pf)
-    b = kvtier_backend(eng)
+    b = kvtier_plugin(eng)
     tokens = torch.arange(7, 7 + 4 * CHUNK)
     slots = torch.arange(4 * CHUNK)  # blocks 0..7
     src, dst = paged(1), paged(2)
@@ -60,7 +61,7 @@ def test_page_first_chunks_round_trip_through_ssd_and_stay_apart_from_kv_2ltd(lm
     shape = ModelShape("kvtier-test/pf", L, H, D, DTYPE)
     eng2 = build_engine(load_lmcache_config(yaml_2ltd), shape)
     try:
-        b2 = kvtier_backend(eng2)
+        b2 = kvtier_plugin(eng2)
         assert len(b2.tier) == 4
         out = torch.zeros(2, L, 4 * CHUNK, H * D, dtype=DTYPE)
         assert int(eng2.retrieve(tokens, kvcaches=out).sum()) == 0

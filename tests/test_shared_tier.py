@@ -21,7 +21,8 @@ pytest.importorskip("lmcache", reason="needs lmcache: LMCache is not installed (
 
 from kvtier.launch.lmcache_engine import ModelShape, build_engine, destroy_engine
 from kvtier.launch.redis_server import READ_COMMANDS, RedisServer, redis_server_binary  # noqa: E402
-from kvtier.storage_backends.lmcache.backend import kvtier_backend, load_lmcache_config
+from kvtier.storage_backends.lmcache.backend import load_lmcache_config
+from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
 from kvtier.testing.engine_factory import TINY as SHAPE  # noqa: E402
 from kvtier.testing.engine_factory import random_kv
 from kvtier.testing.waiting import wait_until  # noqa: E402
@@ -191,7 +192,7 @@ def store_everywhere(engine, redis_server, tokens: torch.Tensor, kv: torch.Tenso
     Redis (metadata + data key per chunk; LMCache's remote puts are asynchronous) hold every chunk."""
     chunks = len(tokens) // CHUNK
     engine.store(tokens, kvcaches=kv)
-    assert kvtier_backend(engine).flush(60)
+    assert kvtier_plugin(engine).flush(60)
     wait_until(lambda: redis_server.dbsize() >= 2 * chunks, 30,
                lambda: f"{2 * chunks} keys in Redis ({redis_server.dbsize()})")
 
@@ -227,7 +228,7 @@ def test_lmcache_own_engine_reads_the_local_ssd_tier_before_the_store(redis_serv
     if when == "at_first_call":
         monkeypatch.setattr(LocalFirstOrder, "start", lambda self, loop: None)
     e = engines()
-    ssd = kvtier_backend(e)
+    ssd = kvtier_plugin(e)
     if when == "at_start":
         wait_until(lambda: ssd.local_first.done, 10, lambda: f"the plugin's order settled ({backend_order(e)})")
         assert backend_order(e) == ["LocalCPUBackend", "KVTierBackend", "RemoteBackend"]
@@ -265,7 +266,7 @@ def test_a_restarted_engine_reads_its_ssd_tier_before_the_store_from_its_first_l
         destroy_engine(first)
     again = build_engine(load_lmcache_config(path), SHAPE)
     try:
-        ssd = kvtier_backend(again)
+        ssd = kvtier_plugin(again)
         wait_until(lambda: ssd.local_first.done, 10, lambda: f"the plugin's order settled ({backend_order(again)})")
         assert ssd.local_first.arranged
         reads, sent = retrieve_without_host_copies(again, redis_server, tokens, kv)

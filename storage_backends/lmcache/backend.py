@@ -36,7 +36,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from kvtier.compat import guard
 from kvtier.storage_backends.base import ChunkMeta, ChunkTier, HostTier
 from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
-from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin, run_before_host_closes
+from kvtier.storage_backends.lmcache.engine_access import run_before_host_closes
 from kvtier.storage_backends.lmcache.host_pool import HostPoolWatch
 from kvtier.storage_backends.lmcache.kv_identity import plugin_fingerprint, under_kvtier_connector
 from kvtier.storage_backends.shared.config import remote_configured
@@ -320,8 +320,3 @@ def load_lmcache_config(path: str | None = None, overrides: dict[str, Any] | Non
 
     return load_engine_config_with_overrides(config_file_path=path, overrides=overrides)
 
-
-def kvtier_backend(engine: Any) -> KVTierBackend | None:
-    """The KVTierBackend instance inside an engine (None if LMCache did not load it): `engine_access.kvtier_plugin`,
-    under the name tests and tools use."""
-    return kvtier_plugin(engine)
