@@ -1,5 +1,5 @@
 """`kvtier demo-vllm`: the main job. Replays multi-turn conversations of the Mooncake trace through real vLLM,
-three times.
+four times.
 
 Run 1 is vLLM alone (its own prefix caching, with a small KV-cache budget, as on a busy server where a
 conversation's history does not stay in GPU memory between turns). Run 2 is the same engine with kvtier: the KV
@@ -14,7 +14,12 @@ previous prompt + the answer the model generated + a new user message (the trace
 compressed: requests keep their trace arrival order, at most `--concurrency` are in flight, and a turn is sent only
 after the previous turn of its conversation finished. TTFT is measured per request (engine step loop driven here).
 
-Run 3 (`--lmcache-mp`, on by default) is the same engine with LMCache's multiprocess mode instead: LMCache's
+Run 3 (`--ideal`, on by default) is the limit: vLLM alone with a KV budget that holds every conversation, so every
+follow-up turn prefills only its new tokens; the demo prints kvtier's share of the achievable gain,
+(TTFT alone - TTFT kvtier) / (TTFT alone - TTFT ideal), and where each hit kvtier missed went (the connector's
+lost-hit ledger, `kvtier.telemetry.lost_hits`).
+
+Run 4 (`--lmcache-mp`, on by default) is the same engine with LMCache's multiprocess mode instead: LMCache's
 `LMCacheMPConnector` and a real `lmcache server` (L1 = the kvtier host tier's size, evicting half of itself above
 50%: LMCache's defaults, 0.8 / 0.2, leave too little room for this workload's requests, and LMCache then drops
 stores and prefetches) with LMCache's own `fs` L2 adapter on the same disk. Its engine core runs in its own process
@@ -39,7 +44,15 @@ from typing import Any
 
 from kvtier.cli.conversations import workload_of
 from kvtier.cli.demo_vllm_engine import RunResult, engine_main, run_engine
-from kvtier.cli.demo_vllm_report import LMCACHE_CPU_NOTE, FollowUps, plot, print_spread, report, report_lmcache_mp
+from kvtier.cli.demo_vllm_report import (
+    LMCACHE_CPU_NOTE,
+    FollowUps,
+    plot,
+    print_spread,
+    report,
+    report_ideal,
+    report_lmcache_mp,
+)
 from kvtier.cli.engine_args import add_engine_arguments
 from kvtier.launch.demo_model import KV_BYTES_PER_TOKEN, MODEL
 from kvtier.launch.lmcache_yaml import write_lmcache_yaml
@@ -69,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "column; its L1 is the kvtier host tier's size)")
     p.add_argument("--mp-port", type=int, default=0, help="port of that `lmcache server` (default: a free one)")
     p.add_argument("--mp-http-port", type=int, default=0, help="its HTTP admin port (default: a free one)")
+    p.add_argument("--ideal", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the limit: vLLM alone with a KV budget that holds every conversation (prefix "
+                        "caching on, nothing evicted); prints kvtier's share of the achievable gain and where the "
+                        "hits kvtier missed went")
     p.add_argument("--eviction-policy", default=None, metavar="NAME",
                    help="kvtier's eviction policy in both tiers (the host tier's cache_policy KVTIER_<NAME> and "
                         "kvtier.eviction_policy), e.g. adaptive; default: the shipped YAML's (LRU in both)")
@@ -106,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
     longest_blocks = max_model_len // page
     gpu_blocks = args.gpu_blocks or max(longest_blocks + 1, min(args.concurrency * longest_blocks + 1,
                                                                  -(-history_tokens // page) // 3))
+    # the limit: room for every conversation's whole history, the requests in flight and the warm-up
+    by_conv: dict[int, int] = {}
+    for t in turns:
+        by_conv[t.conv] = by_conv.get(t.conv, 0) + len(t.new_tokens) + t.max_tokens
+    ideal_blocks = sum(-(-n // page) for n in by_conv.values()) + (args.concurrency + 1) * longest_blocks + 16
     # host tier: half of the history (the rest comes back from the SSD tier), and room for a few of the longest
     # requests at least (LMCache only stores what it can first place in host memory)
     host_mb = args.host_mb if args.host_mb is not None else round(
@@ -141,13 +163,16 @@ def run(args: argparse.Namespace) -> int:
           f"{ssd_dir}; {args.chunk_tokens}-token chunks; eviction "
           f"{args.eviction_policy or 'lru (the shipped YAML)'} in both tiers")
     print(f"  {LMCACHE_CPU_NOTE}")
+    if args.ideal:
+        print(f"  the limit (column 'ideal'): vLLM alone with {ideal_blocks} blocks ({ideal_blocks * page} tokens), "
+              "room for every conversation: nothing evicted, every follow-up turn prefills only its new tokens")
     if args.lmcache_mp:
         print(f"  {LMCACHE_MP_NOTE}")
     sys.stdout.flush()
     rc = 0
     spread: list[FollowUps] = []
     for i in range(args.repeat):
-        mp = None
+        mp = ideal = None
         last = i == args.repeat - 1
         if args.repeat > 1:
             print(f"\n== run {i + 1} of {args.repeat}", flush=True)
@@ -158,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
             kvt = run_engine("kvtier", "vLLM + kvtier", workdir, dict(
                 base_args, kv_transfer_config=dict(kv_cfg, engine_id=f"{kv_cfg['engine_id']}-{i}"),
                 scheduler_cls="kvtier.scheduler_hooks.DualQueueScheduler"), len(turns), args.timeout)
+            if args.ideal:
+                ideal = run_engine("ideal", "vLLM, room for all", workdir, dict(base_args, gpu_blocks=ideal_blocks),
+                                   len(turns), args.timeout)
             if args.lmcache_mp:
                 mp = _run_lmcache_mp(workdir, base_args, host_mb, args, len(turns))
         except RuntimeError as e:
@@ -166,15 +194,18 @@ def run(args: argparse.Namespace) -> int:
                 print(f"(work directory kept: {workdir})")
             return 1
         rc = max(rc, report(base, kvt, turns, args, full=last))
+        if ideal is not None:
+            rc = max(rc, report_ideal(base, kvt, ideal, turns))
         if mp is not None:
             rc = max(rc, report_lmcache_mp(base, kvt, mp, turns))
-        spread.append(FollowUps.of(base, kvt))
+        spread.append(FollowUps.of(base, kvt, ideal))
     if args.repeat > 1:
         print_spread(spread)
     if args.json:
         Path(args.json).write_text(json.dumps({"baseline": base.raw, "kvtier": kvt.raw,
+                                               **({"ideal": ideal.raw} if ideal is not None else {}),
                                                **({"lmcache_mp": mp.raw} if mp is not None else {})}, indent=1))
-    plot(base, kvt, args.plot, mp)
+    plot(base, kvt, args.plot, mp, ideal)
     if own and rc == 0:
         shutil.rmtree(workdir, ignore_errors=True)
     elif own:

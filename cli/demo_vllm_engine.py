@@ -140,6 +140,9 @@ def engine_main(args_path: str) -> None:
 
         snap = conn.scheduler_side.snapshot()
         out.update(counters=snap["counters"], storage=snap["storage"], policy=snap["policy"])
+        accounts = snap["lost_hits"]["requests"]  # the lost-hit ledger's account of each request
+        for rec in recs:
+            rec["lost"] = accounts.get(rec["internal_id"])
         out["metrics"] = kvtier_samples()
     src: dict[str, float] = {}
     for x in llm.get_metrics():

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvtier.cli.conversations import Turn
 from kvtier.cli.demo_vllm_engine import RunResult
+from kvtier.telemetry.lost_hits import REASONS
 
 LMCACHE_CPU_NOTE = (
     "LMCache's in-process connector (LMCacheConnectorV1) is not compared here: it does not run on vLLM's CPU build "
@@ -50,13 +51,37 @@ class FollowUps:
     slowest_base_s: float  #: the slowest follow-up turn's TTFT without kvtier
     slowest_kvtier_s: float
     slowest_kvtier_turn: tuple[int, int]  #: (conversation, turn) of kvtier's slowest follow-up
+    #: kvtier's share of the achievable gain in mean / median / p99 follow-up TTFT (NaN: no ideal run)
+    share_mean: float = float("nan")
+    share_p50: float = float("nan")
+    share_p99: float = float("nan")
 
     @classmethod
-    def of(cls, base: RunResult, kvt: RunResult) -> FollowUps:
+    def of(cls, base: RunResult, kvt: RunResult, ideal: RunResult | None = None) -> FollowUps:
         b, k = base.ttft(2), kvt.ttft(2)
         worst = max((r for r in kvt.requests if r["turn"] >= 2), key=lambda r: r["ttft"])
+        shares = [float("nan")] * 3
+        if ideal is not None:
+            i = ideal.ttft(2)
+            shares = [share_of_gain(f(b), f(k), f(i)) for f in (statistics.mean, _p50, _p99)]
         return cls(statistics.mean(b) / statistics.mean(k), quantile(b, 0.5) / quantile(k, 0.5), max(b), max(k),
-                   (worst["conv"], worst["turn"]))
+                   (worst["conv"], worst["turn"]), *shares)
+
+
+def _p50(xs: list[float]) -> float:
+    return quantile(xs, 0.5)
+
+
+def _p99(xs: list[float]) -> float:
+    return quantile(xs, 0.99)
+
+
+def share_of_gain(alone: float, kvtier: float, ideal: float) -> float:
+    """kvtier's share of the achievable gain: (alone - kvtier) / (alone - ideal), 1 = at the limit, 0 = no gain,
+    negative = slower than vLLM alone; NaN when the limit gains nothing over vLLM alone."""
+    if any(math.isnan(x) for x in (alone, kvtier, ideal)) or alone - ideal <= 0:
+        return float("nan")
+    return (alone - kvtier) / (alone - ideal)
 
 
 def print_spread(runs: list[FollowUps]) -> None:
@@ -78,6 +103,10 @@ def print_spread(runs: list[FollowUps]) -> None:
               f"{_faster(1.0, 1.0 / r.speedup_median)}; slowest follow-up {1000 * r.slowest_base_s:.0f} ms alone, "
               f"{1000 * r.slowest_kvtier_s:.0f} ms with kvtier (conversation {r.slowest_kvtier_turn[0]} turn "
               f"{r.slowest_kvtier_turn[1]})")
+    if not any(math.isnan(r.share_mean) for r in runs):
+        for name, xs in (("mean", [r.share_mean for r in runs]), ("p50", [r.share_p50 for r in runs]),
+                         ("p99", [r.share_p99 for r in runs])):
+            print(f"  share of the achievable gain, {name + ' TTFT:':<10}    {mmm(xs, '{:.2f}')}")
     slower = sum(1 for r in runs if r.speedup_mean < 1)
     worse_tail = sum(1 for r in runs if r.slowest_kvtier_s > r.slowest_base_s)
     print(f"  kvtier slower on average in {slower} of {n} runs; its slowest follow-up slower than vLLM alone's "
@@ -118,6 +147,44 @@ def report_lmcache_mp(base: RunResult, kvt: RunResult, mp: RunResult, turns: lis
               f"{len(turns)} requests (first: conversation {diff[0][0]} turn {diff[0][1]})")
         return 1
     print(f"LMCache MP generated tokens: identical to the run without a connector ({len(turns)} requests)")
+    return 0
+
+
+def report_ideal(base: RunResult, kvt: RunResult, ideal: RunResult, turns: list[Turn]) -> int:
+    """The limit's column: follow-up TTFT of vLLM alone, kvtier and the ideal engine, kvtier's share of the
+    achievable gain, each side's hit tokens, and kvtier's lost hits by reason (its connector's ledger). Returns 1
+    if the ideal run generated other tokens than vLLM alone."""
+    b, k, i = base.ttft(2), kvt.ttft(2), ideal.ttft(2)
+    print("\nthe limit: vLLM alone with room for every conversation (column 'ideal'), the same requests; follow-up "
+          "turns (turn >= 2), TTFT in ms")
+    head = f"{'':<18}{'vLLM alone':>11}{'kvtier':>9}{'ideal':>9}   share of the achievable gain"
+    print(head)
+    print("-" * len(head))
+    for name, f in (("TTFT mean", statistics.mean), ("TTFT p50", _p50), ("TTFT p99", _p99)):
+        print(f"{name:<18}{1000 * f(b):>11.1f}{1000 * f(k):>9.1f}{1000 * f(i):>9.1f}   "
+              f"{share_of_gain(f(b), f(k), f(i)):.2f}")
+    hits = [sum(r["gpu_hit"] + r["host_hit"] + r["ssd_hit"] for r in x.requests if r["turn"] >= 2)
+            for x in (base, kvt, ideal)]
+    print(f"{'hit tokens':<18}{hits[0]:>11}{hits[1]:>9}{hits[2]:>9}   (vLLM's prefix cache + kvtier's tiers)")
+    follow = [r for r in kvt.requests if r["turn"] >= 2]
+    acc = [r["lost"] for r in follow if r.get("lost")]
+    if len(acc) == len(follow) and follow:
+        tot = {key: sum(a[key] for a in acc) for key in acc[0]}
+        lost = sum(tot[key] for key in REASONS)
+        print(f"kvtier's lost hits (its connector's ledger, follow-up turns): the limit reuses {tot['ideal']} tokens "
+              f"(the ideal run: {hits[2]}), kvtier {tot['hit']}; lost {lost}: "
+              + ", ".join(f"{key.replace('_', ' ')} {tot[key]}" for key in REASONS)
+              + f"; past the limit {tot['beyond_ideal']}")
+        ok = lost - tot["beyond_ideal"] == tot["ideal"] - tot["hit"] and tot["hit"] == hits[1]
+        print(f"  lost - past the limit = {lost - tot['beyond_ideal']}, the limit's hits - kvtier's = "
+              f"{tot['ideal'] - tot['hit']} ({'equal' if ok else 'DIFFERENT'}); against the ideal run's hits: "
+              f"{hits[2] - hits[1]}")
+    b_by = {(r["conv"], r["turn"]): r["tokens"] for r in base.requests}
+    diff = [(r["conv"], r["turn"]) for r in ideal.requests if r["tokens"] != b_by[(r["conv"], r["turn"])]]
+    if diff:
+        print(f"ideal run generated tokens: DIFFERENT from vLLM alone's in {len(diff)} of {len(turns)} requests")
+        return 1
+    print(f"ideal run generated tokens: identical to vLLM alone's ({len(turns)} requests)")
     return 0
 
 
@@ -235,7 +302,8 @@ def _print_token_check(base: RunResult, kvt: RunResult, turns: list[Turn], b_by:
     return True
 
 
-def plot(base: RunResult, kvt: RunResult, path: str, mp: RunResult | None = None) -> None:
+def plot(base: RunResult, kvt: RunResult, path: str, mp: RunResult | None = None,
+         ideal: RunResult | None = None) -> None:
     try:
         import matplotlib
 
@@ -245,7 +313,8 @@ def plot(base: RunResult, kvt: RunResult, path: str, mp: RunResult | None = None
         print(f"matplotlib is not installed: no plot written ({path})")
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    runs = [(base, "tab:gray", -0.08), (kvt, "tab:blue", 0.08)] + ([(mp, "tab:orange", 0.0)] if mp else [])
+    runs = [(base, "tab:gray", -0.08), (kvt, "tab:blue", 0.08)] + ([(mp, "tab:orange", 0.0)] if mp else []) + (
+        [(ideal, "tab:green", 0.16)] if ideal else [])
     for r, color, dx in runs:
         max_turn = max(x["turn"] for x in r.requests)
         xs = [x["turn"] + dx for x in r.requests]

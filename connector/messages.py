@@ -93,11 +93,16 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     store failed: a future miss), and its blocks are no longer read."""
 
     completed_saves: dict[int, int] = field(default_factory=dict)
+    #: finished save jobs that stored fewer chunks than asked (a failed store, no host room): job -> whole chunks
+    #: stored from the job's first one (aggregated: the fewest over ranks)
+    short_saves: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         if isinstance(other, KVTierWorkerMetadata):
             for job, n in other.completed_saves.items():
                 self.completed_saves[job] = self.completed_saves.get(job, 0) + n
+            for job, n in other.short_saves.items():
+                self.short_saves[job] = min(n, self.short_saves.get(job, n))
         return self
 
 

@@ -38,6 +38,14 @@ _LAT = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 HIT_TOKENS = counter("kvtier_connector_hit_tokens_total",
                      "Prompt tokens of admitted requests by where their KV came from (gpu = vLLM prefix cache)",
                      ["tier"])
+IDEAL_HIT_TOKENS = counter("kvtier_connector_ideal_hit_tokens_total",
+                           "Prompt tokens of admitted requests that an engine whose own cache held everything it ever "
+                           "computed would have reused (the limit; kvtier.telemetry.lost_hits)")
+LOST_HIT_TOKENS = counter("kvtier_connector_lost_hit_tokens_total",
+                          "Prompt tokens the limit reused and this engine recomputed, by reason: found but recomputed "
+                          "(load plan), save in flight, not saved, evicted, not found (no whole chunk)", ["reason"])
+BEYOND_IDEAL_HIT_TOKENS = counter("kvtier_connector_beyond_ideal_hit_tokens_total",
+                                  "Prompt tokens reused past the limit (KV stored before this process started)")
 QUERY_TOKENS = counter("kvtier_connector_query_tokens_total", "Prompt tokens of admitted requests")
 PREFETCH_QUEUE = gauge("kvtier_connector_prefetch_queue_depth", "SSD prefetches waiting to be issued")
 PREFETCH_INFLIGHT = gauge("kvtier_connector_prefetch_inflight", "SSD prefetches issued and not finished")

@@ -33,8 +33,9 @@
   whose identity cannot be read neither reads nor writes kvtier's tiers (logged).
 
 The policy is typed by its contract (`kvtier.scheduler_hooks.base.SchedulingPolicy`, checked when it is handed
-over). Kept apart: the prefetch queue (`connector/scheduler_prefetch.py`) and the per-request, computing-chunk and
-save-job bookkeeping (`connector/scheduler_state.py`); the worker ranks answer over `connector/rpc.py`.
+over). Kept apart: the prefetch queue (`connector/scheduler_prefetch.py`), the per-request, computing-chunk and
+save-job bookkeeping (`connector/scheduler_state.py`) and the lost-hit accounting (`scheduler_accounting.py`: each
+admission against an engine cache that held everything, the shortfall by reason); the workers answer over `rpc.py`.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ from kvtier.connector.messages import (
     SaveSpec,
 )
 from kvtier.connector.rpc import Flush, Lookup, Release, RPCClient, RPCError, Stats, endpoint
+from kvtier.connector.scheduler_accounting import LostHitFeed
 from kvtier.connector.scheduler_prefetch import PrefetchQueue
-from kvtier.connector.scheduler_state import ComputingChunks, FixedPlan, RequestState, SaveJobs
+from kvtier.connector.scheduler_state import ComputingChunks, FixedPlan, RequestState, SaveJobs, overlap
 from kvtier.identity.request import RequestIdentity
 from kvtier.scheduler_hooks.base import SchedulingPolicy
 from kvtier.scheduler_hooks.hint_derivation import derive_tier_hint
@@ -94,6 +96,8 @@ class SchedulerSide:
                          "identity_errors": 0}
         self.world = world
         self.saves = SaveJobs(world)
+        #: the limit (an engine cache holding everything computed) and where each request's shortfall went
+        self.lost = LostHitFeed(self.block_size, self.chunk)
         self._async_loads: list[LoadSpec] = []  # allocated this step, go out with the next metadata
         #: the GPU's busy seconds (time from a step that scheduled tokens to the next step), for the policy's
         #: idle-GPU re-plan (`DualQueuePolicy.observe_gpu_busy`)
@@ -333,8 +337,8 @@ class SchedulerSide:
         disk = remote = 0
         if st.prefetch in ("done", "failed"):  # what lies past the host prefix the prefetch started from
             ssd_end = st.prefetch_from + st.prefetch_ssd_tokens
-            disk = _overlap(num_computed_tokens, end, st.prefetch_from, ssd_end)
-            remote = _overlap(num_computed_tokens, end, ssd_end, ssd_end + st.prefetch_remote_tokens)
+            disk = overlap(num_computed_tokens, end, st.prefetch_from, ssd_end)
+            remote = overlap(num_computed_tokens, end, ssd_end, ssd_end + st.prefetch_remote_tokens)
         st.sources = {"host": ext - disk - remote, "disk": disk, "remote": remote}
         # Loads that fit in the step's synchronous budget run inside the step; the others (and every load that
         # reads the SSD tier) off it.
@@ -404,6 +408,9 @@ class SchedulerSide:
         M.QUERY_TOKENS.inc(request.num_tokens)
         st.pending_load = None
         if st.identity is not None:
+            if not st.accounted:
+                st.accounted = True
+                self.lost.admitted(st, num_external_tokens)
             self.computing.start(st, max(st.saved_upto, st.gpu_tokens + num_external_tokens))
 
     def _shares(self, st: RequestState, num_external_tokens: int) -> bool:
@@ -462,10 +469,13 @@ class SchedulerSide:
                 continue
             toks = st.request.all_token_ids
             kv_end = min(st.computed + int(n), len(toks), len(st.block_ids) * self.block_size)
+            self.lost.computed(st, toks, kv_end)
             save_end = kv_end // self.chunk * self.chunk
             if save_end > st.saved_upto:
                 job = self.saves.issue(st, st.saved_upto, save_end)
-                md.saves.append(SaveSpec(rid, st.key_tokens(toks[:save_end]), list(st.block_ids), st.saved_upto,
+                key_tokens = st.key_tokens(toks[:save_end])
+                self.lost.save_issued(job, st, key_tokens, st.saved_upto, save_end)
+                md.saves.append(SaveSpec(rid, key_tokens, list(st.block_ids), st.saved_upto,
                                          job_id=job, share=st.share, tag=st.tag))
                 st.saved_upto = save_end
         for rid in so.preempted_req_ids or ():
@@ -490,8 +500,10 @@ class SchedulerSide:
         for them stop counting them in flight), asynchronous loads ended, held requests freed."""
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMetadata):
-            for st, end in self.saves.report(meta.completed_saves):
+            self.lost.reported(meta)
+            for job, st, end in self.saves.report(meta.completed_saves):
                 self.computing.done(st, end)
+                self.lost.save_done(job)
         for rid in output.finished_recving or ():
             loaded = self.reqs.get(rid)
             if loaded is not None:
@@ -561,6 +573,7 @@ class SchedulerSide:
             self.computing.done(st, None, start=self.saves.pending_end(st))
         self.hints.pop(rid, None)
         self.prefetches.forget(rid)
+        self.lost.forget(rid)
         known = st if st is not None else self._state(request)  # never seen: its identity for the feedback
         if known.identity is not None:  # (no identity: it took no pins and its answer concerns no chain here)
             self.finished.append(FinishedSpec(rid, known.key_tokens(), int(request.num_prompt_tokens),
@@ -580,12 +593,8 @@ class SchedulerSide:
         """Counters of this side and the workers' storage stats, after the workers' queued saves have landed."""
         self.flush(60)
         return {"counters": dict(self.counters), "admitted": [list(a) for a in self.admitted],
+                "lost_hits": self.lost.snapshot(),
                 "storage": msgspec.structs.asdict(self.client.call(Stats())[0]), "policy": type(self.policy).__name__}
 
     def close(self) -> None:
         self.client.close()
-
-
-def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
-    """Tokens the ranges [a0, a1) and [b0, b1) share."""
-    return max(0, min(a1, b1) - max(a0, b0))

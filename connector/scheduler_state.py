@@ -18,7 +18,7 @@ from kvtier.identity.request import RequestIdentity
 from kvtier.scheduler_hooks.hint_derivation import count_inflight
 from kvtier.scheduler_hooks.load_plan import LoadPlan
 
-__all__ = ["ComputingChunks", "FixedPlan", "RequestState", "SaveJobs", "prefix_chunk_keys"]
+__all__ = ["ComputingChunks", "FixedPlan", "RequestState", "SaveJobs", "overlap", "prefix_chunk_keys"]
 
 
 @dataclass
@@ -53,6 +53,7 @@ class RequestState:
     #: admitted with an asynchronous load: vLLM allocates for it once more (0 external tokens) when it resumes
     reallocating: bool = False
     plan: LoadPlan | None = None
+    accounted: bool = False  # its admission went into the lost-hit ledger (once, not again when resumed)
 
     @property
     def rid(self) -> str:
@@ -151,9 +152,9 @@ class SaveJobs:
         st.pending_saves.add(job)
         return job
 
-    def report(self, completed: dict[int, int]) -> list[tuple[RequestState, int]]:
-        """Ranks' reports of finished jobs (job -> ranks); returns (request, end) of each job now done on every
-        rank, in report order."""
+    def report(self, completed: dict[int, int]) -> list[tuple[int, RequestState, int]]:
+        """Ranks' reports of finished jobs (job -> ranks); returns (job, request, end) of each job now done on
+        every rank, in report order."""
         done = []
         for job, n in completed.items():
             rec = self._jobs.get(job)
@@ -164,7 +165,7 @@ class SaveJobs:
                 del self._jobs[job]
                 st = rec[0]
                 st.pending_saves.discard(job)
-                done.append((st, rec[2]))
+                done.append((job, st, rec[2]))
         return done
 
     def pending_end(self, st: RequestState) -> int:
@@ -187,3 +188,8 @@ class SaveJobs:
 
     def holding(self) -> bool:
         return bool(self._held)
+
+
+def overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    """Tokens the ranges [a0, a1) and [b0, b1) share."""
+    return max(0, min(a1, b1) - max(a0, b0))

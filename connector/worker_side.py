@@ -147,6 +147,7 @@ class WorkerSide(WorkerTransfers):
         #: requests whose asynchronous load is queued or running (their pins are released when it ends)
         self._loading: set[str] = set()
         self._completed_saves: dict[int, int] = {}
+        self._short_saves: dict[int, int] = {}  # save job -> chunks it stored, when fewer than asked (lost hits)
         #: notified when a transfer job or a prefetch ends: an idle step's wait (`_wait_idle`) wakes on it
         self._progress = threading.Condition()
 
@@ -441,7 +442,10 @@ class WorkerSide(WorkerTransfers):
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
         if not self._completed_saves:
             return None
-        out, self._completed_saves = KVTierWorkerMetadata(self._completed_saves), {}
+        done, self._completed_saves = self._completed_saves, {}
+        # a job's shortfall is written by its save before the job counts as completed: never split from it
+        short = {job: self._short_saves.pop(job) for job in done if job in self._short_saves}
+        out = KVTierWorkerMetadata(done, short)
         return out
 
     def clear(self) -> None:

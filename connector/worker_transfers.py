@@ -69,6 +69,7 @@ class WorkerTransfers:
     _loading: set[str]
     _load_errors: set[int]
     _completed_saves: dict[int, int]
+    _short_saves: dict[int, int]
 
     if TYPE_CHECKING:  # WorkerSide's
         def _stat(self, **kw: float) -> None: ...
@@ -185,7 +186,10 @@ class WorkerTransfers:
             stored_end = self._store(spec, n)
         except Exception:  # a lost save is a future miss, never wrong KV
             logger.exception("kvtier: save for %s failed", spec.req_id)
+            self._short_saves[spec.job_id] = 0
             return
+        if stored_end < n // self.cfg.chunk_size * self.cfg.chunk_size:
+            self._short_saves[spec.job_id] = max(0, stored_end - spec.skip) // self.cfg.chunk_size
         if self.shared is not None and spec.share and stored_end > spec.skip:
             # queued for the shared tier's helper thread: returns at once
             self.shared.share_saved(spec.token_ids[:stored_end], spec.skip, spec.tag)

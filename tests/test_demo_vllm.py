@@ -1,9 +1,11 @@
-"""`kvtier demo-vllm` (the main job) end to end with its smallest settings: real vLLM on CPU, three times.
+"""`kvtier demo-vllm` (the main job) end to end with its smallest settings: real vLLM on CPU, four times.
 
 Runs the installed `kvtier` command from a scratch directory (never with the repository root on sys.path) and
 checks what the demo prints: it exits 0, kvtier serves part of the follow-up turns' history (host or SSD tier),
 both runs generate identical tokens, the LMCache note is there and the plot is written; the third column (vLLM +
-LMCache's multiprocess server with its `fs` L2 adapter) generates the same tokens and reuses history too.
+LMCache's multiprocess server with its `fs` L2 adapter) generates the same tokens and reuses history too; the
+ideal column (vLLM alone with room for everything) is printed, its reuse equals the limit kvtier's connector
+accounts against, and the lost hits by reason add up to the difference.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ def test_demo_vllm_smallest(tmp_path):
     assert "LMCache MP generated tokens: identical to the run without a connector (4 requests)" in out, out
     mp_turn2 = re.search(r"^\s+2(?:\s+[\d.]+ /\s+[\d.]+){3}\s+(\d+)\s+\S+\s*$", out, re.M)
     assert mp_turn2 and int(mp_turn2.group(1)) > 0, out
+    # the limit (issue 52): the ideal run, kvtier's share of the gain, and the ledger's account of the shortfall
+    assert re.search(r"^TTFT mean\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(-?[\d.]+|nan)$", out, re.M), out
+    assert "ideal run generated tokens: identical to vLLM alone's (4 requests)" in out, out
+    ledger = re.search(r"the limit reuses (\d+) tokens \(the ideal run: (\d+)\), kvtier (\d+)", out)
+    assert ledger, out
+    # the connector's limit is the ideal engine's real reuse, and its reasons add up to the shortfall
+    assert ledger.group(1) == ledger.group(2), ledger.group(0)
+    assert re.search(r"lost - past the limit = (\d+), the limit's hits - kvtier's = \1 \(equal\)", out), out
     assert plot.exists() and plot.stat().st_size > 0
     # the progress bars went to stderr
     assert "vLLM + kvtier" in p.stderr
