@@ -119,6 +119,23 @@ def ideal_blocks(rows: list[dict[str, Any]], block: int, page: int, concurrency:
     return len(prefixes) * pages(block) + answers + concurrency * longest + 1
 
 
+def reusable_tokens(rows: list[dict[str, Any]], block: int, page: int) -> int:
+    """Prompt tokens a prefix cache that never evicts could reuse, requests run one at a time: per request, the
+    leading trace blocks an earlier request held whole (a last, partial block is not reusable), in whole pages, and
+    never the prompt's last token (vLLM computes it). An upper bound on the ideal server's hits."""
+    seen: set[tuple[int, ...]] = set()
+    total = 0
+    for r in rows:
+        h = tuple(r["hash_ids"])
+        k = 0
+        while k < len(h) and h[:k + 1] in seen:
+            k += 1
+        total += min(k * block, (r["input_length"] - 1)) // page * page
+        whole = len(h) if r["input_length"] >= len(h) * block else len(h) - 1
+        seen.update(h[:j] for j in range(1, whole + 1))
+    return total
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -312,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--max-num-seqs", str(max(4, args.concurrency)), "--shutdown-timeout", "10"]
     n_follow = sum(follow)
     n_ideal = ideal_blocks(reuse, args.block_tokens, page, args.concurrency)
+    reusable = reusable_tokens(reuse, args.block_tokens, page)
     ideal_bytes = n_ideal * page * KV_BYTES_PER_TOKEN
     # vLLM's CPU build allocates the override, but keep its KV space (whole GiB) at least that large
     ideal_env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-ideal_bytes // 2**30)))}
@@ -327,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ideal:
         print(f"  ideal server (reuse only): vLLM alone, the same settings but {n_ideal} KV blocks "
               f"({n_ideal * page} tokens, {ideal_bytes / 2**20:.0f} MiB): one round's distinct prefixes, answers and "
-              f"{args.concurrency} of the longest requests in flight, so nothing of a round is evicted")
+              f"{args.concurrency} of the longest requests in flight, so nothing of a round is evicted; at most "
+              f"{reusable} of the round's {sum(r['input_length'] for r in reuse)} prompt tokens can hit")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not workloads or any(w not in ("reuse", "no-reuse") for w in workloads):
         raise SystemExit(f"--workloads: expected a comma-separated list of reuse, no-reuse; got {args.workloads!r}")
@@ -367,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers.values():
             s.stop()
-    report(results)
+    report(results, reusable if args.ideal else None)
     hits = {t: final.get(("kvtier_connector_hit_tokens_total", (("tier", t),)), 0.0) for t in
             ("gpu", "host", "ssd", "miss")}
     print(f"\nkvtier server /metrics (whole run): hit tokens {hits}, host-pool exhausted "
@@ -377,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{final.get(('kvtier_ssd_hits_total', ()), 0):.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "held_out": held, "ideal_blocks": n_ideal,
-                                               "ideal_kv_cache_tokens": ideal_tokens, "results": results}, indent=1))
+                                               "ideal_kv_cache_tokens": ideal_tokens, "reusable_tokens": reusable,
+                                               "results": results}, indent=1))
     if own:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -53,10 +53,11 @@ def _ratio(num: float, den: float) -> float:
     return num / den if num and den else float("nan")
 
 
-def report(results: Results) -> None:
+def report(results: Results, reusable: int | None = None) -> None:
     """Per workload: medians of each server, the ratio of base's and kvtier's medians, the per-round ratios (each
     round runs the servers back to back, in rotating order) and their median, which the targets are judged on;
-    on `reuse` with an ideal server, the share of the achievable gain and the hit tokens."""
+    on `reuse` with an ideal server, the share of the achievable gain and the hit tokens (`reusable`: the most a
+    prefix cache that never evicts could hit in a round)."""
     med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
     verdicts = []
     for wl, by in results.items():
@@ -100,7 +101,7 @@ def report(results: Results) -> None:
               "kvtier's speed-up; throughput kvtier/base)")
         if ideal:
             verdicts.append(share_table(by))
-            hit_table(by)
+            hit_table(by, reusable)
             lost_table(by["kvtier"])
     print(f"\ntargets (median of per-round ratios, {len(next(iter(results.values()))['base'])} round(s), "
           f"load average {os.getloadavg()[0]:.1f} at the end):")
@@ -133,9 +134,9 @@ def share_table(by: dict[str, Runs]) -> str:
     return verdict
 
 
-def hit_table(by: dict[str, Runs]) -> None:
+def hit_table(by: dict[str, Runs], reusable: int | None) -> None:
     """Prompt tokens per server and round from /metrics deltas: vLLM's queried and prefix-cache hit tokens, its
-    external (connector) hits, and kvtier's own split by tier."""
+    external (connector) hits, and kvtier's own split by tier; `reusable` beside them (the ideal server's bound)."""
     print("\nhit tokens per round (/metrics deltas around each server's aiperf run)")
     head = (f"{'round':<7}{'server':<8}{'queried':>9}{'vLLM hits':>11}{'external':>10}"
             + "".join(f"{t:>8}" for t in TIERS))
@@ -152,6 +153,9 @@ def hit_table(by: dict[str, Runs]) -> None:
                   f"{r.get('hit_external', 0.0):>10.0f}{tiers}")
     print("(queried: prompt tokens vLLM looked up; vLLM hits: its prefix cache (GPU); external: kvtier's host/SSD "
           "loads; tiers: kvtier_connector_hit_tokens_total, gpu = vLLM's prefix cache as kvtier saw it)")
+    if reusable is not None:
+        print(f"(at most {reusable} tokens of a round can hit, requests one at a time and nothing evicted: the "
+              "ideal server's hits are this less the turns that arrived before their previous turn was done)")
 
 
 def lost_table(kvtier: Runs) -> None:

@@ -100,3 +100,14 @@ def test_kv_cache_tokens(bench: tuple[ModuleType, ModuleType]) -> None:
     log = "INFO ... [kv_cache_utils.py:1] CPU KV cache size: 67,744 tokens, Maximum concurrency for 1,568 ..."
     assert bench[0].kv_cache_tokens(log) == 67744
     assert bench[0].kv_cache_tokens("nothing") is None
+
+
+def test_reusable_tokens(bench: tuple[ModuleType, ModuleType]) -> None:
+    reusable = bench[0].reusable_tokens
+    rows = [{"hash_ids": [0, 1], "input_length": 50},  # block 1 partial: only (0,) is held whole
+            {"hash_ids": [0, 1, 2], "input_length": 96},  # reuses block 0: 32
+            {"hash_ids": [0, 1, 2, 3], "input_length": 100},  # reuses 0, 1, 2 (whole in the row before): 96
+            {"hash_ids": [0, 1, 2], "input_length": 96},  # all of it is cached: the last token is computed, 64
+            {"hash_ids": [5], "input_length": 20}]  # nothing
+    assert reusable(rows, 32, 32) == 32 + 96 + 64
+    assert reusable([], 32, 32) == 0
