@@ -1,13 +1,15 @@
 """`vllm serve` with and without kvtier, driven by aiperf (NVIDIA's benchmark client, PyPI `aiperf`).
 
     python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf==0.13.0   # its own environment
-    .venv/bin/python benchmarks/serve_aiperf.py --aiperf /tmp/aiperf-venv/bin/aiperf [--rounds 2] [--concurrency 4]
+    .venv/bin/python benchmarks/serve_aiperf.py --aiperf /tmp/aiperf-venv/bin/aiperf [--rounds 3] [--concurrency 4]
+        [--workloads reuse] [--no-ideal] [--json out.json]
 
-Two servers of the demo model (`kvtier demo-model`: tiny random Llama + the shipped tokenizer) on vLLM's CPU
-build, with identical vLLM settings: `base` (vLLM alone, its own prefix cache) and `kvtier` (kvtier's connector
-and `--scheduler-cls kvtier.scheduler_hooks.DualQueueScheduler`). Both run at the same time but only one is
-loaded at a time; per round, each workload runs on both, `base` first in odd rounds and `kvtier` first in even
-ones (`--workloads` picks the workloads):
+Servers of the demo model (`kvtier demo-model`: tiny random Llama + the shipped tokenizer) on vLLM's CPU build,
+with identical vLLM settings: `base` (vLLM alone, its own prefix cache of `--gpu-blocks`), `kvtier` (the same plus
+kvtier's connector and `--scheduler-cls kvtier.scheduler_hooks.DualQueueScheduler`) and, unless `--no-ideal`,
+`ideal` (vLLM alone with a KV cache that holds every request of one round: `ideal_blocks`, printed with its MiB;
+the log's KV cache size is checked). All run at the same time but only one is loaded at a time; per round, each
+workload runs on each server, in an order that rotates by one each round (`--workloads` picks the workloads):
 
 - `reuse`: the shipped Mooncake conversation trace (`demo_data/mooncake_conversation_sessions.jsonl`, 60 whole
   conversations) replayed by aiperf's `mooncake_trace` loader at a fixed concurrency (equal load), with one
@@ -15,13 +17,19 @@ ones (`--workloads` picks the workloads):
   exceeds `--max-prompt-tokens` are held out (reported). A *follow-up turn* is a request that shares at least
   two leading blocks with an earlier one (block 0 is the trace's common system prompt).
 - `no-reuse`: the same requests (same lengths, same concurrency) with every block made unique: no prefix is
-  ever reused, so what kvtier costs (lookups, saves, SSD writes) is all that differs.
+  ever reused, so what kvtier costs (lookups, saves, SSD writes) is all that differs. The ideal server skips it.
 
 Every round uses a new `--random-seed` for aiperf (new prompt text), so no round finds the previous one's KV.
-Printed: TTFT mean / p50 / p99 of all requests, of follow-up turns and of first turns, requests/s and output
-tokens/s, with base/kvtier TTFT ratios (speed-up) and kvtier/base throughput ratios, per round, as the ratio of the
-medians and as the median of the per-round ratios (paired rounds: what the targets are judged on).
-Targets (issue 16): follow-up-turn TTFT >= 2x better at equal load; <= 3% throughput lost without reuse.
+Printed (`serve_report.py`): TTFT mean / p50 / p99 of all requests, of follow-up turns and of first turns,
+requests/s and output tokens/s per server, with base/kvtier TTFT ratios (speed-up) and kvtier/base throughput
+ratios, per round, as the ratio of the medians and as the median of the per-round ratios (paired rounds: what the
+targets are judged on); on `reuse`, kvtier's share of the achievable gain (base - kvtier) / (base - ideal) of
+follow-up TTFT mean, p50 and p99 per round and as min / median / max, the hit tokens of each server per round
+(/metrics deltas: vLLM's prefix-cache and external hits, kvtier's hits by tier) and kvtier's lost hits by reason
+(`kvtier_connector_{ideal,lost,beyond_ideal}_hit_tokens_total`; zeros where the server has no such counters).
+Targets: issue 16, follow-up-turn TTFT >= 2x better at equal load, <= 3% throughput lost without reuse; issue 52,
+share of the achievable gain (follow-up mean) >= 0.85 and follow-up mean TTFT >= 3x vLLM alone, at the median of
+>= 3 rounds, at concurrency 2 and 4.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -39,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from serve_report import LOST_REASONS, TIERS, report  # the sibling module (benchmarks/ is the script's sys.path[0])
+
 from kvtier.cli.demo_vllm_report import quantile
 from kvtier.demo_data import path as data_path
 from kvtier.launch.demo_model import KV_BYTES_PER_TOKEN, build
@@ -47,6 +58,7 @@ from kvtier.testing.serve_process import ServeProcess, free_port
 TRACE_BLOCK = 512  # tokens per Mooncake hash id
 TOKENIZER_REPO = "local/kvtier-tiny"
 SNAPSHOT = "0" * 40
+Snapshot = dict[tuple[str, tuple], float]  # ServeProcess.metrics(): {(sample name, labels): value}
 
 
 # --------------------------------------------------------------------------------------------- workloads
@@ -93,6 +105,35 @@ def without_reuse(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         nxt += len(ids)
         out.append(dict(r, hash_ids=ids))
     return out
+
+
+def ideal_blocks(rows: list[dict[str, Any]], block: int, page: int, concurrency: int) -> int:
+    """vLLM KV blocks of `page` tokens that keep every request of `rows` (one round) in the prefix cache at once:
+    the pages of each distinct prefix of trace blocks (`block` tokens each; shared turns counted once), per request
+    the pages of its answer plus one (the BOS token shifts a prompt off the page boundaries), `concurrency` of the
+    longest requests in flight on top, and vLLM's null block."""
+    pages = lambda tokens: -(-tokens // page)  # noqa: E731
+    prefixes = {tuple(r["hash_ids"][:k]) for r in rows for k in range(1, len(r["hash_ids"]) + 1)}
+    answers = sum(pages(r["output_length"]) + 1 for r in rows)
+    longest = max((pages(r["input_length"] + r["output_length"] + 1) for r in rows), default=0)
+    return len(prefixes) * pages(block) + answers + concurrency * longest + 1
+
+
+def reusable_tokens(rows: list[dict[str, Any]], block: int, page: int) -> int:
+    """Prompt tokens a prefix cache that never evicts could reuse, requests run one at a time: per request, the
+    leading trace blocks an earlier request held whole (a last, partial block is not reusable), in whole pages, and
+    never the prompt's last token (vLLM computes it). An upper bound on the ideal server's hits."""
+    seen: set[tuple[int, ...]] = set()
+    total = 0
+    for r in rows:
+        h = tuple(r["hash_ids"])
+        k = 0
+        while k < len(h) and h[:k + 1] in seen:
+            k += 1
+        total += min(k * block, (r["input_length"] - 1)) // page * page
+        whole = len(h) if r["input_length"] >= len(h) * block else len(h) - 1
+        seen.update(h[:j] for j in range(1, whole + 1))
+    return total
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -179,18 +220,55 @@ def summarize(records: list[dict[str, Any]], follow: list[bool]) -> dict[str, fl
     return out
 
 
-def engine_steps(before: dict[tuple[str, tuple], float], after: dict[tuple[str, tuple], float]) -> dict[str, float]:
+def engine_steps(before: Snapshot, after: Snapshot) -> dict[str, float]:
     """The kvtier server's engine steps and asynchronous loads between two /metrics snapshots: all steps, steps
     that scheduled nothing, steps while an asynchronous load was in flight (and per load)."""
-    def delta(name: str, labels: tuple) -> float:
-        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
-
     steps = "kvtier_connector_engine_steps_total"
-    loads = delta("kvtier_connector_loads_total", (("mode", "async"),))
-    during = delta(steps, (("kind", "during_async_load"),))
-    return {"steps": delta(steps, (("kind", "all"),)), "idle_steps": delta(steps, (("kind", "idle"),)),
+    loads = _delta(before, after, "kvtier_connector_loads_total", (("mode", "async"),))
+    during = _delta(before, after, steps, (("kind", "during_async_load"),))
+    return {"steps": _delta(before, after, steps, (("kind", "all"),)),
+            "idle_steps": _delta(before, after, steps, (("kind", "idle"),)),
             "steps_during_async_loads": during, "async_loads": loads,
             "steps_per_async_load": during / loads if loads else float("nan")}
+
+
+def _delta(before: Snapshot, after: Snapshot, name: str, labels: tuple = ()) -> float:
+    return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+
+def vllm_hits(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """A server's prompt tokens between two /metrics snapshots: looked up in vLLM's prefix cache, found there,
+    and found by the connector (external: kvtier's host and SSD tiers)."""
+    return {"hit_queried": _delta(before, after, "vllm:prefix_cache_queries_total"),
+            "hit_prefix": _delta(before, after, "vllm:prefix_cache_hits_total"),
+            "hit_external": _delta(before, after, "vllm:external_prefix_cache_hits_total")}
+
+
+def kvtier_hits(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """kvtier's hit tokens by tier between two /metrics snapshots, and its lost-hit accounting where the server
+    has it (zeros otherwise): the tokens an unbounded prefix cache would have reused, those lost by reason, and
+    those reused beyond it."""
+    hits, lost = "kvtier_connector_hit_tokens_total", "kvtier_connector_lost_hit_tokens_total"
+    out = {f"kvtier_{t}": _delta(before, after, hits, (("tier", t),)) for t in TIERS}
+    out["ideal_hit"] = _delta(before, after, "kvtier_connector_ideal_hit_tokens_total")
+    out["beyond_ideal"] = _delta(before, after, "kvtier_connector_beyond_ideal_hit_tokens_total")
+    seen = {dict(labels).get("reason", "") for name, labels in after if name == lost}
+    for reason in [*LOST_REASONS, *sorted(seen - set(LOST_REASONS) - {""})]:
+        out[f"lost_{reason}"] = _delta(before, after, lost, (("reason", reason),))
+    return out
+
+
+def kv_cache_tokens(log: str) -> int | None:
+    """The KV cache size vLLM logged at start-up ("CPU KV cache size: 67,744 tokens"), or None."""
+    found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    return int(found[-1].replace(",", "")) if found else None
+
+
+def run_order(names: list[str], rnd: int, workload: str) -> list[str]:
+    """The servers in the order they run in round `rnd` (0-based): rotated by one each round, so that each goes
+    first in some round and a machine that drifts hits all alike; the ideal server runs `reuse` only."""
+    k = rnd % len(names)
+    return [n for n in names[k:] + names[:k] if workload == "reuse" or n != "ideal"]
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -213,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=18060, help="first port to try")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one aiperf run may take")
     p.add_argument("--json", default=None, help="write all summaries here")
+    p.add_argument("--ideal", action=argparse.BooleanOptionalAction, default=True,
+                   help="a third server on `reuse`: vLLM alone with a KV cache that holds a whole round")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers (finally below) when killed
     if not shutil.which(args.aiperf) and not os.path.exists(args.aiperf):
@@ -248,52 +328,65 @@ def main(argv: list[str] | None = None) -> int:
                  "--num-gpu-blocks-override", str(args.gpu_blocks), "--enforce-eager", "--seed", "0",
                  "--max-num-seqs", str(max(4, args.concurrency)), "--shutdown-timeout", "10"]
     n_follow = sum(follow)
+    n_ideal = ideal_blocks(reuse, args.block_tokens, page, args.concurrency)
+    reusable = reusable_tokens(reuse, args.block_tokens, page)
+    ideal_bytes = n_ideal * page * KV_BYTES_PER_TOKEN
+    # vLLM's CPU build allocates the override, but keep its KV space (whole GiB) at least that large
+    ideal_env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, -(-ideal_bytes // 2**30)))}
+    ideal_args = [*vllm_args]
+    ideal_args[ideal_args.index("--num-gpu-blocks-override") + 1] = str(n_ideal)
     print(f"serve benchmark: {len(reuse)} requests of {args.trace} ({held} held out: scaled prompt > "
           f"{args.max_prompt_tokens} tokens), {n_follow} follow-up turns; one 512-token block = {args.block_tokens} "
           f"tokens, answers <= {args.max_answer_tokens} tokens (ignore_eos); aiperf mooncake_trace, concurrency "
           f"{args.concurrency}, streaming completions, {args.rounds} round(s)")
-    print(f"  both servers: demo model, vLLM CPU, {args.gpu_blocks} x {page}-token KV blocks "
+    print(f"  base and kvtier: demo model, vLLM CPU, {args.gpu_blocks} x {page}-token KV blocks "
           f"({args.gpu_blocks * page} tokens, {args.gpu_blocks * page * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB), "
           f"prefix caching on; kvtier: host tier {args.host_mb:g} MiB, SSD tier {args.ssd_mb:g} MiB at {ssd}")
+    if args.ideal:
+        print(f"  ideal server (reuse only): vLLM alone, the same settings but {n_ideal} KV blocks "
+              f"({n_ideal * page} tokens, {ideal_bytes / 2**20:.0f} MiB): one round's distinct prefixes, answers and "
+              f"{args.concurrency} of the longest requests in flight, so nothing of a round is evicted; at most "
+              f"{reusable} of the round's {sum(r['input_length'] for r in reuse)} prompt tokens can hit")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not workloads or any(w not in ("reuse", "no-reuse") for w in workloads):
         raise SystemExit(f"--workloads: expected a comma-separated list of reuse, no-reuse; got {args.workloads!r}")
+    names = ["base", "kvtier", *(["ideal"] if args.ideal else [])]
     servers: dict[str, ServeProcess] = {}
-    results: dict[str, dict[str, list[dict[str, float]]]] = {w: {"base": [], "kvtier": []}
-                                                             for w in workloads}
+    results: dict[str, dict[str, list[dict[str, float]]]] = {
+        w: {n: [] for n in names if w == "reuse" or n != "ideal"} for w in workloads}
+    ideal_tokens: int | None = None
     try:
         servers["base"] = ServeProcess("base", work, model, free_port(args.port), vllm_args)
         servers["kvtier"] = ServeProcess("kvtier", work, model, free_port(args.port), vllm_args, [
             "--kv-transfer-config", json.dumps(kv), "--scheduler-cls", "kvtier.scheduler_hooks.DualQueueScheduler"])
+        if args.ideal:
+            servers["ideal"] = ServeProcess("ideal", work, model, free_port(args.port), ideal_args, env=ideal_env)
         deadline = time.monotonic() + 600
         for s in servers.values():
             s.wait_ready(deadline)
+        if args.ideal:
+            ideal_tokens = kv_cache_tokens(servers["ideal"].log())
+            print(f"  ideal server's log: KV cache size {ideal_tokens} tokens ({n_ideal * page} asked for)")
+            if ideal_tokens is None or ideal_tokens < n_ideal * page - page:
+                print("  WARNING: the ideal server has less KV cache than asked for; its column is not ideal")
         for rnd in range(args.rounds):
-            seed = 1000 + rnd
             for wl in workloads:
-                trace = work / f"{wl}.jsonl"
-                # the order alternates from round to round, so a machine that drifts hits both servers alike
-                for name in (("base", "kvtier") if rnd % 2 == 0 else ("kvtier", "base")):
-                    t0 = time.monotonic()
-                    before = servers[name].metrics() if name == "kvtier" else {}
-                    recs = run_aiperf(args.aiperf, servers[name], trace, work / f"r{rnd}-{wl}-{name}", args, seed,
-                                      hf_home)
-                    res = summarize(recs, follow)
-                    steps = ""
-                    if name == "kvtier":
-                        res.update(engine_steps(before, servers[name].metrics()))
-                        steps = (f", {res['async_loads']:.0f} async loads, {res['steps_per_async_load']:.1f} steps "
-                                 f"during each, {res['idle_steps']:.0f} idle steps of {res['steps']:.0f}")
-                    results[wl][name].append(res)
-                    print(f"  round {rnd + 1} {wl:<8} {name:<6}: {res['requests']:.0f} requests "
-                          f"({res['errors']:.0f} errors) in {res['wall_s']:.0f} s, TTFT follow-up mean "
-                          f"{res['ttft_follow_mean']:.0f} ms, p99 {res['ttft_follow_p99']:.0f} ms, "
-                          f"{res['req_per_s']:.2f} req/s{steps} [{time.monotonic() - t0:.0f} s]", flush=True)
+                for name in run_order(names, rnd, wl):
+                    results[wl][name].append(measure(servers, name, work / f"{wl}.jsonl", work / f"r{rnd}-{wl}-{name}",
+                                                     follow, args, 1000 + rnd, hf_home))
+                    r = results[wl][name][-1]
+                    steps = (f", {r['async_loads']:.0f} async loads, {r['steps_per_async_load']:.1f} steps during "
+                             f"each, {r['idle_steps']:.0f} idle steps of {r['steps']:.0f}") if name == "kvtier" else ""
+                    print(f"  round {rnd + 1} {wl:<8} {name:<6}: {r['requests']:.0f} requests ({r['errors']:.0f} "
+                          f"errors) in {r['wall_s']:.0f} s, TTFT follow-up mean {r['ttft_follow_mean']:.0f} ms, p99 "
+                          f"{r['ttft_follow_p99']:.0f} ms, {r['req_per_s']:.2f} req/s, prefix-cache hits "
+                          f"{r['hit_prefix']:.0f} + external {r['hit_external']:.0f} of {r['hit_queried']:.0f} "
+                          f"tokens{steps} [{r['bench_s']:.0f} s]", flush=True)
         final = servers["kvtier"].metrics()
     finally:
         for s in servers.values():
             s.stop()
-    report(results, args)
+    report(results, reusable if args.ideal else None)
     hits = {t: final.get(("kvtier_connector_hit_tokens_total", (("tier", t),)), 0.0) for t in
             ("gpu", "host", "ssd", "miss")}
     print(f"\nkvtier server /metrics (whole run): hit tokens {hits}, host-pool exhausted "
@@ -302,54 +395,30 @@ def main(argv: list[str] | None = None) -> int:
           f"SSD puts {final.get(('kvtier_ssd_puts_total', ()), 0):.0f}, SSD hits "
           f"{final.get(('kvtier_ssd_hits_total', ()), 0):.0f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "held_out": held, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "held_out": held, "ideal_blocks": n_ideal,
+                                               "ideal_kv_cache_tokens": ideal_tokens, "reusable_tokens": reusable,
+                                               "results": results}, indent=1))
     if own:
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
-def report(results: dict[str, dict[str, list[dict[str, float]]]], args: argparse.Namespace) -> None:
-    """Per workload: medians of each server, the ratio of those medians, the per-round ratios (each round runs
-    both servers back to back, in alternating order) and their median, which the targets are judged on."""
-    med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
-    verdicts = []
-    for wl, by in results.items():
-        print(f"\n{wl}: medians over {len(by['base'])} round(s) (TTFT in ms)")
-        head = f"{'':<18}{'base':>10}{'kvtier':>10}{'ratio':>9}{'med/rnd':>9}   per round"
-        print(head)
-        print("-" * len(head))
-        keys = [("ttft_follow_mean", "TTFT follow mean"), ("ttft_follow_p50", "TTFT follow p50"),
-                ("ttft_follow_p99", "TTFT follow p99"), ("ttft_first_mean", "TTFT first mean"),
-                ("ttft_all_mean", "TTFT all mean"), ("ttft_all_p50", "TTFT all p50"),
-                ("ttft_all_p99", "TTFT all p99"), ("req_per_s", "requests/s"), ("out_tok_per_s", "output tok/s")]
-        for k, label in keys:
-            if wl == "no-reuse" and k.startswith("ttft_follow"):
-                continue
-            b, t = med(by["base"], k), med(by["kvtier"], k)
-            speed = k.startswith("ttft")
-            ratio = (b / t if speed else t / b) if b and t else float("nan")
-            rounds = [(x[k] / y[k] if speed else y[k] / x[k]) if x[k] and y[k] else float("nan")
-                      for x, y in zip(by["base"], by["kvtier"])]
-            paired = statistics.median(rounds) if rounds else float("nan")
-            per = " ".join(f"{r:.2f}" for r in rounds)
-            print(f"{label:<18}{b:>10.1f}{t:>10.1f}{ratio:>8.2f}x{paired:>8.2f}x   {per}")
-            if wl == "reuse" and k == "ttft_follow_p99":
-                verdicts.append("follow-up-turn TTFT p99 better than vLLM alone's in "
-                                f"{sum(1 for r in rounds if r > 1)} of {len(rounds)} round(s) (per round: {per}); "
-                                "kvtier's engine steps during each asynchronous load per round: " + " ".join(
-                                    f"{x['steps_per_async_load']:.1f}" for x in by["kvtier"]))
-            if wl == "reuse" and k == "ttft_follow_mean":
-                verdicts.append(f"follow-up-turn TTFT (mean) {paired:.2f}x better, target >= 2x: "
-                                f"{'PASS' if paired >= 2.0 else 'miss'}")
-            if wl == "no-reuse" and k == "req_per_s":
-                verdicts.append(f"throughput without reuse {paired:.2f}x of vLLM alone, target >= 0.97x: "
-                                f"{'PASS' if paired >= 0.97 else 'miss'}")
-        print("(ratio: of the two medians; med/rnd: median of the per-round ratios; TTFT base/kvtier = kvtier's "
-              "speed-up; throughput kvtier/base)")
-    print(f"\ntargets (issue 16; median of per-round ratios, {len(next(iter(results.values()))['base'])} round(s), "
-          f"load average {os.getloadavg()[0]:.1f} at the end):")
-    for v in verdicts:
-        print(f"  {v}")
+def measure(servers: dict[str, ServeProcess], name: str, trace: Path, out: Path, follow: list[bool],
+            args: argparse.Namespace, seed: int, hf_home: Path) -> dict[str, float]:
+    """One aiperf run of `trace` on server `name`: its summary, with the server's hit tokens (and, for kvtier,
+    its engine steps and lost hits) from /metrics before and after."""
+    t0 = time.monotonic()
+    srv = servers[name]
+    before = srv.metrics()
+    res = summarize(run_aiperf(args.aiperf, srv, trace, out, args, seed, hf_home), follow)
+    after = srv.metrics()
+    res.update(vllm_hits(before, after))
+    if name == "kvtier":
+        res.update(engine_steps(before, after))
+        res.update(kvtier_hits(before, after))
+    res["bench_s"] = time.monotonic() - t0
+    return res
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,113 @@
+"""The pure parts of `benchmarks/serve_aiperf.py` and `benchmarks/serve_report.py`: the ideal server's KV size,
+the rotating run order, /metrics deltas, and kvtier's share of the achievable gain."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench() -> tuple[ModuleType, ModuleType]:
+    """(serve_aiperf, serve_report), imported as the script does: benchmarks/ first on sys.path."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module("serve_aiperf"), importlib.import_module("serve_report")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_gain_share(bench: tuple[ModuleType, ModuleType]) -> None:
+    share = bench[1].gain_share
+    assert share(300.0, 120.0, 100.0) == pytest.approx(0.9)
+    assert share(300.0, 100.0, 100.0) == 1.0
+    assert share(300.0, 50.0, 100.0) == pytest.approx(1.25)  # kvtier beat the ideal server
+    assert share(300.0, 400.0, 100.0) == pytest.approx(-0.5)  # kvtier slower than vLLM alone
+    assert math.isnan(share(100.0, 80.0, 100.0))  # nothing to gain
+    assert math.isnan(share(100.0, 80.0, 120.0))
+    assert math.isnan(share(300.0, float("nan"), 100.0))
+    assert math.isnan(share(float("nan"), 80.0, 100.0))
+
+
+def test_spread_and_shares_by_round(bench: tuple[ModuleType, ModuleType]) -> None:
+    report = bench[1]
+    assert report.spread([0.9, float("nan"), 0.5, 1.1]) == (0.5, 0.9, 1.1)
+    assert all(math.isnan(x) for x in report.spread([float("nan")]))
+    by = {"base": [{"k": 300.0}, {"k": 200.0}], "kvtier": [{"k": 120.0}, {"k": 150.0}],
+          "ideal": [{"k": 100.0}, {"k": 250.0}]}
+    per = report.shares(by, "k")
+    assert per[0] == pytest.approx(0.9) and math.isnan(per[1])
+
+
+def test_ideal_blocks(bench: tuple[ModuleType, ModuleType]) -> None:
+    ideal_blocks = bench[0].ideal_blocks
+    rows = [{"hash_ids": [0, 1], "input_length": 50, "output_length": 10},
+            {"hash_ids": [0, 1, 2], "input_length": 80, "output_length": 40},  # a follow-up turn: 1 new prefix
+            {"hash_ids": [0, 3], "input_length": 40, "output_length": 2}]
+    # prefixes (0) (0,1) (0,1,2) (0,3) = 4 pages; answers 1+1, 2+1, 1+1 = 7; longest 80+40+1 -> 4 pages x 2; null 1
+    assert ideal_blocks(rows, 32, 32, 2) == 4 + 7 + 8 + 1
+    # 64-token trace blocks take two 32-token pages each
+    assert ideal_blocks(rows, 64, 32, 2) == 8 + 7 + 8 + 1
+    assert ideal_blocks([], 32, 32, 4) == 1
+
+
+def test_ideal_blocks_hold_the_shipped_round(bench: tuple[ModuleType, ModuleType]) -> None:
+    aiperf = bench[0]
+    rows, _ = aiperf.scale(aiperf.read_trace(aiperf.data_path("mooncake_conversation_sessions.jsonl")), 32, 1536, 24)
+    n = aiperf.ideal_blocks(rows, 32, 32, 4)
+    # at least every prompt's and answer's distinct tokens, far more than the 160 blocks of the other servers
+    distinct = len({tuple(r["hash_ids"][:k]) for r in rows for k in range(1, len(r["hash_ids"]) + 1)})
+    assert n > distinct + sum(-(-r["output_length"] // 32) for r in rows) > 160
+
+
+def test_run_order_rotates(bench: tuple[ModuleType, ModuleType]) -> None:
+    order = bench[0].run_order
+    three = ["base", "kvtier", "ideal"]
+    firsts = {order(three, rnd, "reuse")[0] for rnd in range(3)}
+    assert firsts == set(three)
+    assert order(three, 1, "reuse") == ["kvtier", "ideal", "base"]
+    assert order(three, 1, "no-reuse") == ["kvtier", "base"]
+    assert [order(["base", "kvtier"], rnd, "reuse") for rnd in range(2)] == [["base", "kvtier"], ["kvtier", "base"]]
+
+
+def test_hit_deltas(bench: tuple[ModuleType, ModuleType]) -> None:
+    aiperf = bench[0]
+    before = {("vllm:prefix_cache_queries_total", ()): 100.0, ("vllm:prefix_cache_hits_total", ()): 40.0,
+              ("kvtier_connector_hit_tokens_total", (("tier", "host"),)): 10.0}
+    after = {("vllm:prefix_cache_queries_total", ()): 400.0, ("vllm:prefix_cache_hits_total", ()): 100.0,
+             ("vllm:external_prefix_cache_hits_total", ()): 64.0,
+             ("kvtier_connector_hit_tokens_total", (("tier", "host"),)): 74.0,
+             ("kvtier_connector_ideal_hit_tokens_total", ()): 200.0,
+             ("kvtier_connector_lost_hit_tokens_total", (("reason", "evicted"),)): 32.0,
+             ("kvtier_connector_lost_hit_tokens_total", (("reason", "other"),)): 5.0}
+    assert aiperf.vllm_hits(before, after) == {"hit_queried": 300.0, "hit_prefix": 60.0, "hit_external": 64.0}
+    k = aiperf.kvtier_hits(before, after)
+    assert k["kvtier_host"] == 64.0 and k["kvtier_ssd"] == 0.0 and k["ideal_hit"] == 200.0
+    assert k["lost_evicted"] == 32.0 and k["lost_not_saved"] == 0.0 and k["lost_other"] == 5.0
+    assert k["beyond_ideal"] == 0.0
+    # a server without the lost-hit counters: zeros, no failure
+    assert not any(aiperf.kvtier_hits({}, {}).values())
+
+
+def test_kv_cache_tokens(bench: tuple[ModuleType, ModuleType]) -> None:
+    log = "INFO ... [kv_cache_utils.py:1] CPU KV cache size: 67,744 tokens, Maximum concurrency for 1,568 ..."
+    assert bench[0].kv_cache_tokens(log) == 67744
+    assert bench[0].kv_cache_tokens("nothing") is None
+
+
+def test_reusable_tokens(bench: tuple[ModuleType, ModuleType]) -> None:
+    reusable = bench[0].reusable_tokens
+    rows = [{"hash_ids": [0, 1], "input_length": 50},  # block 1 partial: only (0,) is held whole
+            {"hash_ids": [0, 1, 2], "input_length": 96},  # reuses block 0: 32
+            {"hash_ids": [0, 1, 2, 3], "input_length": 100},  # reuses 0, 1, 2 (whole in the row before): 96
+            {"hash_ids": [0, 1, 2], "input_length": 96},  # all of it is cached: the last token is computed, 64
+            {"hash_ids": [5], "input_length": 20}]  # nothing
+    assert reusable(rows, 32, 32) == 32 + 96 + 64
+    assert reusable([], 32, 32) == 0
