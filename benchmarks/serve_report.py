@@ -13,6 +13,8 @@ import os
 import statistics
 from collections.abc import Sequence
 
+from kvtier.cli.demo_vllm_report import share_of_gain
+
 Runs = list[dict[str, float]]
 Results = dict[str, dict[str, Runs]]
 
@@ -22,15 +24,6 @@ SHARE_TARGET = 0.85  # issue 52, follow-up mean, at the median of rounds
 SPEEDUP_TARGET = 3.0  # issue 52, follow-up mean TTFT base / kvtier
 TIERS = ("gpu", "host", "ssd", "remote", "miss")
 LOST_REASONS = ("save_in_flight", "not_saved", "evicted", "not_found", "recomputed")
-
-
-def gain_share(base: float, kvtier: float, ideal: float) -> float:
-    """kvtier's share of the gain an unbounded prefix cache achieves over vLLM alone (TTFT, lower is better):
-    (base - kvtier) / (base - ideal); NaN when the ideal gains nothing (base - ideal <= 0) or a value is missing."""
-    gain = base - ideal
-    if not gain > 0 or math.isnan(kvtier):
-        return float("nan")
-    return (base - kvtier) / gain
 
 
 def spread(xs: Sequence[float]) -> tuple[float, float, float]:
@@ -111,7 +104,7 @@ def report(results: Results, reusable: int | None = None) -> None:
 
 def shares(by: dict[str, Runs], key: str) -> list[float]:
     """The share of the achievable gain of `key` in each round (rounds that ran all three servers)."""
-    return [gain_share(b[key], t[key], i[key]) for b, t, i in zip(by["base"], by["kvtier"], by["ideal"])]
+    return [share_of_gain(b[key], t[key], i[key]) for b, t, i in zip(by["base"], by["kvtier"], by["ideal"])]
 
 
 def share_table(by: dict[str, Runs]) -> str:

@@ -24,8 +24,10 @@ def bench() -> tuple[ModuleType, ModuleType]:
         sys.path.remove(str(BENCHMARKS))
 
 
-def test_gain_share(bench: tuple[ModuleType, ModuleType]) -> None:
-    share = bench[1].gain_share
+def test_share_of_gain() -> None:
+    """One definition for the demo and the serve benchmark (kvtier.cli.demo_vllm_report)."""
+    from kvtier.cli.demo_vllm_report import share_of_gain as share
+
     assert share(300.0, 120.0, 100.0) == pytest.approx(0.9)
     assert share(300.0, 100.0, 100.0) == 1.0
     assert share(300.0, 50.0, 100.0) == pytest.approx(1.25)  # kvtier beat the ideal server
