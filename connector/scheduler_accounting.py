@@ -37,11 +37,15 @@ class LostHitFeed:
         """Every rank reported save job `job`."""
         self.ledger.save_done(job, self._short.pop(job, None))
 
-    def admitted(self, st: RequestState, num_external_tokens: int) -> None:
-        """`st` is admitted (first time) with vLLM's `st.gpu_tokens` and `num_external_tokens` from kvtier."""
+    def admitted(self, st: RequestState, num_external_tokens: int, allocated_tokens: int) -> None:
+        """`st` is admitted (first time) with vLLM's `st.gpu_tokens` and `num_external_tokens` from kvtier, into
+        blocks for `allocated_tokens`. Its full pages there join the limit at once, as vLLM caches a block when it
+        allocates it: a request admitted later in the same step finds them."""
         request: Any = st.request
-        acc = self.ledger.admitted(st.rid, st.tag, st.key_tokens(), int(request.num_tokens),
+        key_tokens = st.key_tokens()
+        acc = self.ledger.admitted(st.rid, st.tag, key_tokens, int(request.num_tokens),
                                    st.gpu_tokens + int(num_external_tokens), st.lookup.hit_end)
+        self.ledger.computed(st.rid, st.tag, key_tokens, min(int(request.num_tokens), allocated_tokens))
         M.IDEAL_HIT_TOKENS.inc(acc.ideal)
         M.BEYOND_IDEAL_HIT_TOKENS.inc(acc.beyond_ideal)
         for reason, n in acc.reasons().items():

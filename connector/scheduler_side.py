@@ -410,7 +410,7 @@ class SchedulerSide:
         if st.identity is not None:
             if not st.accounted:
                 st.accounted = True
-                self.lost.admitted(st, num_external_tokens)
+                self.lost.admitted(st, num_external_tokens, len(blocks.get_block_ids()[0]) * self.block_size)
             self.computing.start(st, max(st.saved_upto, st.gpu_tokens + num_external_tokens))
 
     def _shares(self, st: RequestState, num_external_tokens: int) -> bool:
