@@ -52,6 +52,7 @@ from kvtier.cli.demo_vllm_report import (
     report,
     report_ideal,
     report_lmcache_mp,
+    report_lost_hits,
 )
 from kvtier.cli.engine_args import add_engine_arguments
 from kvtier.launch.demo_model import KV_BYTES_PER_TOKEN, MODEL
@@ -196,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         rc = max(rc, report(base, kvt, turns, args, full=last))
         if ideal is not None:
             rc = max(rc, report_ideal(base, kvt, ideal, turns))
+        report_lost_hits(kvt, ideal)
         if mp is not None:
             rc = max(rc, report_lmcache_mp(base, kvt, mp, turns))
         spread.append(FollowUps.of(base, kvt, ideal))

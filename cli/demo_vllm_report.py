@@ -166,19 +166,6 @@ def report_ideal(base: RunResult, kvt: RunResult, ideal: RunResult, turns: list[
     hits = [sum(r["gpu_hit"] + r["host_hit"] + r["ssd_hit"] for r in x.requests if r["turn"] >= 2)
             for x in (base, kvt, ideal)]
     print(f"{'hit tokens':<18}{hits[0]:>11}{hits[1]:>9}{hits[2]:>9}   (vLLM's prefix cache + kvtier's tiers)")
-    follow = [r for r in kvt.requests if r["turn"] >= 2]
-    acc = [r["lost"] for r in follow if r.get("lost")]
-    if len(acc) == len(follow) and follow:
-        tot = {key: sum(a[key] for a in acc) for key in acc[0]}
-        lost = sum(tot[key] for key in REASONS)
-        print(f"kvtier's lost hits (its connector's ledger, follow-up turns): the limit reuses {tot['ideal']} tokens "
-              f"(the ideal run: {hits[2]}), kvtier {tot['hit']}; lost {lost}: "
-              + ", ".join(f"{key.replace('_', ' ')} {tot[key]}" for key in REASONS)
-              + f"; past the limit {tot['beyond_ideal']}")
-        ok = lost - tot["beyond_ideal"] == tot["ideal"] - tot["hit"] and tot["hit"] == hits[1]
-        print(f"  lost - past the limit = {lost - tot['beyond_ideal']}, the limit's hits - kvtier's = "
-              f"{tot['ideal'] - tot['hit']} ({'equal' if ok else 'DIFFERENT'}); against the ideal run's hits: "
-              f"{hits[2] - hits[1]}")
     b_by = {(r["conv"], r["turn"]): r["tokens"] for r in base.requests}
     diff = [(r["conv"], r["turn"]) for r in ideal.requests if r["tokens"] != b_by[(r["conv"], r["turn"])]]
     if diff:
@@ -186,6 +173,28 @@ def report_ideal(base: RunResult, kvt: RunResult, ideal: RunResult, turns: list[
         return 1
     print(f"ideal run generated tokens: identical to vLLM alone's ({len(turns)} requests)")
     return 0
+
+
+def report_lost_hits(kvt: RunResult, ideal: RunResult | None) -> None:
+    """kvtier's follow-up turns against the limit, from its connector's lost-hit ledger: what the limit reuses,
+    what kvtier did, the difference by reason; with an ideal run, the ledger's limit against that run's hits."""
+    follow = [r for r in kvt.requests if r["turn"] >= 2]
+    acc = [r["lost"] for r in follow if r.get("lost")]
+    if not follow or len(acc) != len(follow):
+        print("kvtier's lost hits: not accounted (the connector's ledger did not report every follow-up turn)")
+        return
+    tot = {key: sum(a[key] for a in acc) for key in acc[0]}
+    lost = sum(tot[key] for key in REASONS)
+    hit = sum(r["gpu_hit"] + r["host_hit"] + r["ssd_hit"] for r in follow)
+    ideal_hits = (sum(r["gpu_hit"] for r in ideal.requests if r["turn"] >= 2) if ideal is not None else None)
+    print(f"kvtier's lost hits (its connector's ledger, follow-up turns): the limit reuses {tot['ideal']} tokens "
+          f"(the ideal run: {'not run' if ideal_hits is None else ideal_hits}), kvtier {tot['hit']}; lost {lost}: "
+          + ", ".join(f"{key.replace('_', ' ')} {tot[key]}" for key in REASONS)
+          + f"; past the limit {tot['beyond_ideal']}")
+    ok = lost - tot["beyond_ideal"] == tot["ideal"] - tot["hit"] and tot["hit"] == hit
+    print(f"  lost - past the limit = {lost - tot['beyond_ideal']}, the limit's hits - kvtier's = "
+          f"{tot['ideal'] - tot['hit']} ({'equal' if ok else 'DIFFERENT'})"
+          + ("" if ideal_hits is None else f"; against the ideal run's hits: {ideal_hits - hit}"))
 
 
 def report(base: RunResult, kvt: RunResult, turns: list[Turn], args: argparse.Namespace, full: bool = True) -> int:

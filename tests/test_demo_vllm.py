@@ -145,3 +145,39 @@ def test_eviction_policy_reaches_both_tiers_of_the_demos_yaml(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("--eviction-policy 'nope': choose one of ") and "adaptive" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["None.yaml", "adaptive.yaml", "answer-length.yaml", "ssd"]
+
+
+def test_ideal_column_share_and_lost_hits(capsys):
+    """The limit's column: the share of the achievable gain per statistic and over `--repeat` runs, each side's
+    hit tokens, and the ledger's breakdown checked against kvtier's recorded hits (a mismatch says DIFFERENT)."""
+    from kvtier.cli.conversations import Turn
+    from kvtier.cli.demo_vllm_report import FollowUps, print_spread, report_ideal, report_lost_hits
+
+    turns = [Turn(c, c, t, 0, [], 2, 0) for c in range(2) for t in (1, 2)]
+    base = _run_result("vLLM, no connector", {(c, t): 0.5 for c in range(2) for t in (1, 2)})
+    kvt = _run_result("vLLM + kvtier", {(c, t): (0.5 if t == 1 else 0.14) for c in range(2) for t in (1, 2)})
+    ideal = _run_result("vLLM, room for all", {(c, t): (0.5 if t == 1 else 0.1) for c in range(2) for t in (1, 2)})
+    for r in ideal.requests:
+        r["gpu_hit"] = 96 if r["turn"] == 2 else 0
+    for r in kvt.requests:
+        if r["turn"] == 2:
+            r["host_hit"] = 64
+            r["lost"] = {"ideal": 96, "hit": 64, "recomputed": 0, "save_in_flight": 0, "not_saved": 0,
+                         "evicted": 0, "not_found": 32, "beyond_ideal": 0}
+    assert report_ideal(base, kvt, ideal, turns) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^TTFT mean\s+500\.0\s+140\.0\s+100\.0\s+0\.90$", out, re.M), out
+    assert re.search(r"^hit tokens\s+0\s+128\s+192\b", out, re.M), out
+    report_lost_hits(kvt, ideal)
+    out = capsys.readouterr().out
+    assert "the limit reuses 192 tokens (the ideal run: 192), kvtier 128; lost 64" in out, out
+    assert "not found 64" in out and "(equal); against the ideal run's hits: 64" in out, out
+    kvt.requests[1]["lost"] = dict(kvt.requests[1]["lost"], hit=32, not_found=64)  # disagrees with host_hit
+    report_lost_hits(kvt, None)
+    assert "DIFFERENT" in capsys.readouterr().out
+    run = FollowUps.of(base, kvt, ideal)
+    assert run.share_mean == pytest.approx(0.9) and run.share_p50 == pytest.approx(0.9)
+    print_spread([run, FollowUps.of(base, kvt, ideal)])
+    assert re.search(r"share of the achievable gain, mean TTFT:\s+0\.90 / 0\.90 / 0\.90", capsys.readouterr().out)
+    ideal.requests[3]["tokens"] = [9]
+    assert report_ideal(base, kvt, ideal, turns) == 1  # the ideal run must generate vLLM alone's tokens
