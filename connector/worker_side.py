@@ -226,9 +226,9 @@ class WorkerSide(WorkerTransfers):
         try:
             self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.cfg.lmcache, md, gpu_conn,
                                                              lambda t, r: None, lambda o, r: o)
+            self.engine.post_init()  # (LMCache builds its host tier here)
         finally:
             recording.configure(recording_before)
-        self.engine.post_init()
         plugin = kvtier_plugin(self.engine)
         if plugin is None or plugin.tier is None:
             self.close()

@@ -6,9 +6,10 @@ read, call by call, and receives the recorded calls in order through the same `H
 adapter used: puts, hits, forced removals, session signals, and at each recorded eviction the same request, the
 tier's recorded answer for each entry the policy offers, compared with the recorded victims. Keys are stand-ins
 that hash as the engine's keys did (policies sample by hash). The replay keeps the tier's residency (puts in;
-victims, forced removals and the tier's other removals out) and answers each recorded lookup from it: its hits and misses against the
-engine's. The first divergence (a victim, a lookup, an entry the engine was never asked about, the clock read a
-different number of times) is reported with its record number; with the recorded policy none is expected.
+victims, forced removals and the tier's other removals out) and answers each recorded lookup from it: its hits
+and misses against the engine's. The first divergence (a victim, a lookup, an entry the engine was never asked
+about, the clock read a different number of times) is reported with its record number; with the recorded policy
+none is expected.
 `--policy NAME` replays another policy on the same calls (a what-if: divergences are then expected).
 """
 

@@ -180,3 +180,23 @@ def test_record_host_policy_key(tmp_path):
         parse_kvtier_config({**base, "kvtier.record_host_policy": 3})
     with pytest.raises(ConfigError, match="adapter_params.record_host_policy has no meaning"):
         parse_adapter_params({"ssd_path": str(tmp_path), "ssd_capacity_gb": 1, "record_host_policy": str(tmp_path)})
+
+
+def test_check_config_and_the_demo_pass_the_key(tmp_path, capsys):
+    """The demo's `--record-host-policy DIR` reaches its YAML, `kvtier check-config` reports it, and refuses it
+    where the host tier does not run a kvtier policy; the demo refuses it without `--eviction-policy`."""
+    pytest.importorskip("lmcache", reason="check-config loads the YAML as LMCache does")
+    from kvtier.cli import main
+    from kvtier.cli.check_config import check
+    from kvtier.cli.demo_vllm import _lmcache_yaml
+    from kvtier.launch.lmcache_yaml import write_lmcache_yaml
+
+    rec = tmp_path / "rec"
+    path = tmp_path / "a.yaml"
+    _lmcache_yaml(path, 64, 8, str(tmp_path / "ssd"), 64, "adaptive", str(rec))
+    assert f"host policy stream recorded into {rec}" in check(str(path))
+    lru = write_lmcache_yaml(tmp_path / "b.yaml", ssd_path=tmp_path / "ssd", extra={"record_host_policy": str(rec)})
+    with pytest.raises(ConfigError, match="cache_policy is LRU; set cache_policy: KVTIER_<NAME>"):
+        check(lru)
+    assert main(["demo-vllm", "--record-host-policy", str(rec)]) == 2
+    assert "--eviction-policy" in capsys.readouterr().out
