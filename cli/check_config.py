@@ -124,6 +124,12 @@ def check(path: str) -> str:
             raise ConfigError(f"storage_plugin.{name}.module_path must be kvtier.storage_backends, got {module!r}")
     kv = parse_kvtier_config(cfg.extra_config)
     host_policy = _host_cache_policy(path, cfg.cache_policy)
+    recording = ""
+    if kv.record_host_policy:
+        if not host_policy.startswith("KVTIER_"):
+            raise ConfigError(f"{path}: kvtier.record_host_policy records a kvtier policy in the host tier, but its "
+                              f"cache_policy is {host_policy}; set cache_policy: KVTIER_<NAME> (e.g. KVTIER_LRU)")
+        recording = f", host policy stream recorded into {kv.record_host_policy}"
     from kvtier.compat import guard
 
     try:
@@ -148,7 +154,7 @@ def check(path: str) -> str:
             f"({kv.ssd_capacity_gb:g} GiB, {kv.io_threads} I/O threads, io_engine={kv.io_engine}, "
             f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB (cache_policy {host_policy}), "
             f"chunk_size {cfg.chunk_size}"
-            f"{shared}, LMCache {versions.installed.lmcache} ({versions.verdict.value}){capacity_note(kv)}")
+            f"{shared}{recording}, LMCache {versions.installed.lmcache} ({versions.verdict.value}){capacity_note(kv)}")
 
 
 def _host_cache_policy(path: str, name: str | None) -> str:

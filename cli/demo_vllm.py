@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-policy", default=None, metavar="NAME",
                    help="kvtier's eviction policy in both tiers (the host tier's cache_policy KVTIER_<NAME> and "
                         "kvtier.eviction_policy), e.g. adaptive; default: the shipped YAML's (LRU in both)")
+    p.add_argument("--record-host-policy", default=None, metavar="DIR",
+                   help="record the host tier's policy stream into DIR (kvtier.record_host_policy; needs "
+                        "--eviction-policy); replay it with `kvtier replay-stream DIR/host-policy-*.jsonl`")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the whole comparison this many times (fresh engines and SSD tier each time) and print "
                         "the spread: min / median / max of the mean follow-up speed-up and each side's slowest "
@@ -106,6 +109,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.eviction_policy is not None and args.eviction_policy not in production_policy_names():
         print(f"--eviction-policy {args.eviction_policy!r}: choose one of {', '.join(production_policy_names())}")
+        return 2
+    if args.record_host_policy is not None and args.eviction_policy is None:
+        print("--record-host-policy records a kvtier policy in the host tier: name it with --eviction-policy")
         return 2
     workload = workload_of(args)
     if isinstance(workload, str):
@@ -141,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     if os.path.exists(ssd_dir) and args.ssd_path is None:
         shutil.rmtree(ssd_dir)
     yaml_path = workdir / "lmcache-kvtier.yaml"
-    _lmcache_yaml(yaml_path, args.chunk_tokens, host_mb, ssd_dir, args.ssd_mb, args.eviction_policy)
+    _lmcache_yaml(yaml_path, args.chunk_tokens, host_mb, ssd_dir, args.ssd_mb, args.eviction_policy,
+                  args.record_host_policy)
     kv_cfg = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "engine_id": f"kvtier-demo-{os.getpid()}", "kv_connector_extra_config": {"config_file": str(yaml_path)}}
@@ -246,10 +253,13 @@ def _run_lmcache_mp(workdir: Path, base_args: dict[str, Any], host_mb: float, ar
 
 
 def _lmcache_yaml(path: Path, chunk: int, host_mb: float, ssd_dir: str, ssd_mb: float,
-                  eviction_policy: str | None = None) -> None:
-    """The shipped `configs/lmcache-kvtier.yaml` with the demo's sizes and paths, page-first chunks, and
-    `eviction_policy` (a production policy's name) in both tiers when given."""
+                  eviction_policy: str | None = None, record_host_policy: str | None = None) -> None:
+    """The shipped `configs/lmcache-kvtier.yaml` with the demo's sizes and paths, page-first chunks,
+    `eviction_policy` (a production policy's name) in both tiers when given, and the directory where the host tier
+    records its policy stream (`kvtier.record_host_policy`) when given."""
     extra: dict[str, str] = {"chunk_format": "page_first"}
+    if record_host_policy is not None:
+        extra["record_host_policy"] = str(Path(record_host_policy).resolve())
     replace = None
     if eviction_policy is not None:
         extra["eviction_policy"] = eviction_policy

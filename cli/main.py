@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                     "kvtier, kvtier local-only, kvtier + a shared Redis (writes all / continuing)"),
     "demo-model": ("kvtier.launch.demo_model", "write the tiny demo model (weights + tokenizer) for `vllm serve`"),
     "replay": ("kvtier.replay.runner", "replay a request trace against eviction policies"),
+    "replay-stream": ("kvtier.replay.policy_stream", "replay a host tier's recorded policy stream "
+                      "(kvtier.record_host_policy) offline through the same policy; engine vs offline hits"),
     "simulate": ("kvtier.sim.simulate", "discrete-event replay of scheduling policies"),
     "workload": ("kvtier.sim.workloads", "generate a synthetic request trace (shared-prefix agent workload)"),
 }

@@ -74,7 +74,7 @@ from kvtier.connector.worker_transfers import WorkerTransfers
 from kvtier.identity.model import FINGERPRINT_PREFIX, ModelFingerprint
 from kvtier.identity.vllm import engine_fingerprint
 from kvtier.storage_backends.config import ConfigError
-from kvtier.storage_backends.eviction import session_signals
+from kvtier.storage_backends.eviction import recording, session_signals
 
 if TYPE_CHECKING:
     from kvtier.connector.shared_side import SharedSide
@@ -191,7 +191,7 @@ class WorkerSide(WorkerTransfers):
         from lmcache.v1.metadata import LMCacheMetadata
 
         from kvtier.kernels.layout import KVLayoutKind, LayoutError
-        from kvtier.storage_backends.lmcache.engine_access import host_tier, kvtier_plugin
+        from kvtier.storage_backends.lmcache.engine_access import hook_host_lookups, host_tier, kvtier_plugin
         from kvtier.storage_backends.lmcache.gpu_connector import PageFirstGPUConnector
 
         try:
@@ -220,9 +220,15 @@ class WorkerSide(WorkerTransfers):
         except LayoutError as e:
             raise ConfigError(f"kvtier: vLLM's KV tensors ({tuple(self.kv_list[0].shape)}, {kind.value}) do not fit "
                               f"the page-first connector: {e}") from None
-        self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.cfg.lmcache, md, gpu_conn,
-                                                         lambda t, r: None, lambda o, r: o)
-        self.engine.post_init()
+        recording_before = recording.directory()
+        if self.cfg.kvtier.record_host_policy:  # the host tier LMCache builds now records its policy stream
+            recording.configure(self.cfg.kvtier.record_host_policy)
+        try:
+            self.engine = LMCacheEngineBuilder.get_or_create(self.instance_id, self.cfg.lmcache, md, gpu_conn,
+                                                             lambda t, r: None, lambda o, r: o)
+            self.engine.post_init()  # (LMCache builds its host tier here)
+        finally:
+            recording.configure(recording_before)
         plugin = kvtier_plugin(self.engine)
         if plugin is None or plugin.tier is None:
             self.close()
@@ -235,6 +241,8 @@ class WorkerSide(WorkerTransfers):
         except ConfigError:
             self.close()
             raise
+        if isinstance(self.host.hot_cache, recording.LookupRecordingDict):
+            hook_host_lookups(self.host, recording.lookup_scope)
         self.transfers = TransferQueue(self._engine_lock, self.kv_list[0].device, on_done=self._notify_progress)
         if self.cfg.options.ssd_stream_chunks > 0:
             self.stream = SSDStream(self.ssd, self.host, gpu_conn, self.cfg.options.ssd_stream_chunks,

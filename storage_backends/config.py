@@ -45,6 +45,7 @@ class KVTierConfig:
     pin_timeout_s: float = 600.0
     model_identity: str = ""
     encryption_key_file: str = ""
+    record_host_policy: str = ""
 
     @property
     def capacity_bytes(self) -> int:
@@ -120,6 +121,11 @@ KEYS: tuple[KeySpec, ...] = (
             "authenticated with their key, and the slot checksums still guard against damage. Changing or removing "
             "the secret makes the stored chunks another identity's (never decrypted wrongly, reclaimed first). "
             "Costs CPU on every SSD read and write (docs/results); SSD reads then never go straight into GPU memory."),
+    KeySpec("record_host_policy", "str", "Diagnosis (off when unset): a directory where the host tier (LMCache's, "
+            "with a `KVTIER_<NAME>` cache_policy, under kvtier's connector) records its policy stream, one file per "
+            "process (`host-policy-<pid>-<n>.jsonl`: every policy call with its clock times, the session signals, "
+            "each lookup's hit or miss); `kvtier replay-stream FILE` replays it offline through the same policy. "
+            "Created if missing."),
 )
 _SPECS = {k.name: k for k in KEYS}
 
@@ -184,6 +190,8 @@ def _build(merged: dict[str, Any], label: Callable[[str], str], where: str, exam
                               "'kvtier[encryption]')") from None
         values["encryption_key_file"] = os.path.abspath(os.path.expanduser(values["encryption_key_file"]))
         load_secret(values["encryption_key_file"], label("encryption_key_file"))  # unsafe or short: fail now
+    if "record_host_policy" in values:
+        values["record_host_policy"] = _recording_directory(values["record_host_policy"], label("record_host_policy"))
     from kvtier.storage_backends.eviction import make_policy
 
     try:
@@ -193,6 +201,23 @@ def _build(merged: dict[str, Any], label: Callable[[str], str], where: str, exam
     if "chunk_format" in values:
         _check_chunk_format(values["chunk_format"], label("chunk_format"))
     return KVTierConfig(**values)
+
+
+def _recording_directory(path: str, key: str) -> str:
+    """`path` made absolute; ConfigError if it names something other than a directory or cannot be created."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(f"{key}: {path} exists and is not a directory; name a directory (created if missing)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{key}: {path} is not writable by this user")
+        return path
+    parent = os.path.dirname(path)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: cannot create {path} ({parent} is not a writable directory)")
+    return path
 
 
 def parse_kvtier_config(extra_config: Mapping[str, Any] | None, overrides: Mapping[str, Any] | None = None
@@ -236,6 +261,8 @@ MP_EXCLUDED_KEYS = {
     "page_tokens": "has no meaning in LMCache's multiprocess mode (kvtier's page-first kernels are not used there)",
     "model_identity": "has no meaning in LMCache's multiprocess mode (the server keys each model's chunks by the "
                       "fingerprint of the weight files its key names)",
+    "record_host_policy": "has no meaning in LMCache's multiprocess mode (the server's L1 is LMCache's own, not a "
+                          "kvtier policy)",
 }
 
 

@@ -14,19 +14,30 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
-
-from kvtier.storage_backends.eviction.base import EvictionPolicy
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
+
+class SignalSink(Protocol):
+    """What receives session signals: an eviction policy, or an object that forwards to one (a recorder)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def on_request(self, chain: Sequence[Hashable], now: float | None = None) -> None: ...
+
+    def on_request_finished(self, chain: Sequence[Hashable], answer_tokens: int, now: float | None = None
+                            ) -> None: ...
+
+
 _lock = threading.Lock()
-_failures: weakref.WeakKeyDictionary[EvictionPolicy, int] = weakref.WeakKeyDictionary()
-_sinks: weakref.WeakKeyDictionary[EvictionPolicy, tuple[Callable[[Any], Hashable], threading.RLock | None]] = (
+_failures: weakref.WeakKeyDictionary[SignalSink, int] = weakref.WeakKeyDictionary()
+_sinks: weakref.WeakKeyDictionary[SignalSink, tuple[Callable[[Any], Hashable], threading.RLock | None]] = (
     weakref.WeakKeyDictionary())
 
 
-def register(policy: EvictionPolicy, key_of: Callable[[Any], Hashable] = lambda k: k,
+def register(policy: SignalSink, key_of: Callable[[Any], Hashable] = lambda k: k,
              lock: threading.RLock | None = None) -> None:
     """Let `policy` receive session signals; `key_of` maps an LMCache key to the policy's key; `lock` is the
     lock the policy's owner holds around policy calls."""
@@ -34,7 +45,7 @@ def register(policy: EvictionPolicy, key_of: Callable[[Any], Hashable] = lambda 
         _sinks[policy] = (key_of, lock)
 
 
-def _fan_out(call: Callable[[EvictionPolicy, list[Hashable]], None], chain: Sequence[Any]) -> None:
+def _fan_out(call: Callable[[SignalSink, list[Hashable]], None], chain: Sequence[Any]) -> None:
     with _lock:
         sinks = list(_sinks.items())
     for policy, (key_of, lock) in sinks:
@@ -49,7 +60,7 @@ def _fan_out(call: Callable[[EvictionPolicy, list[Hashable]], None], chain: Sequ
             _failed(policy)
 
 
-def _failed(policy: EvictionPolicy) -> None:
+def _failed(policy: SignalSink) -> None:
     """Log a sink's failure: the first with its traceback, then every 1,000th with the count."""
     with _lock:
         n = _failures[policy] = _failures.get(policy, 0) + 1

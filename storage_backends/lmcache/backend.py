@@ -130,6 +130,9 @@ class KVTierBackend(StoragePluginInterface):
                            "the same tokens. Where tenants must be isolated, use kvtier's connector "
                            "(KVTierConnector) or LMCache's multiprocess mode (its keys carry the salt); see "
                            "docs/design/identity.md", metadata.model_name)
+        if self.kvtier_config.record_host_policy and not under_kvtier_connector(metadata):
+            logger.warning("kvtier: kvtier.record_host_policy records only under kvtier's connector (it must be on "
+                           "before LMCache builds its host tier); nothing is recorded here")
         # (inside kvtier's connector, the connector logs the engine's fingerprint)
         logger.log(logging.DEBUG if under_kvtier_connector(metadata) else logging.INFO,
                    "kvtier: KV identity of worker %d: %s", metadata.worker_id, self.fingerprint.describe())

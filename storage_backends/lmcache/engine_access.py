@@ -13,7 +13,8 @@ here: each is read directly. What it reaches into:
   classes have and others lack (a difference of classes, not of versions, so probed): `local_cpu_backend` (the host
   tier it stages reads in), `pq_executor` (an `AsyncPQExecutor`) and the Redis clients `connection` / `cluster`;
 - `LocalCPUBackend` (`HostTier`, `storage_backends/base.py`): its `allocate`, `batched_allocate` and `close` are
-  replaced on the instance (LMCache's manager and connectors call the pool through these attributes).
+  replaced on the instance (LMCache's manager and connectors call the pool through these attributes); so are
+  `contains` and `pin` while the host tier's policy stream is recorded (`hook_host_lookups`).
 
 LMCache is imported inside the functions: the shared tier imports this module, and imports without LMCache.
 """
@@ -25,6 +26,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
 from kvtier.storage_backends.base import ChunkTier, HostTier
@@ -81,6 +83,23 @@ def hook_host_allocators(host: HostTier, allocate: Callable[..., Any], batched_a
     host.allocate = allocate  # type: ignore[method-assign]
     host.batched_allocate = batched_allocate  # type: ignore[method-assign]
     return original
+
+
+def hook_host_lookups(host: HostTier, scope: Callable[[str], AbstractContextManager[None]]) -> None:
+    """Run the host tier's lookups (`contains`, `pin`: whoever calls them, kvtier or LMCache) inside `scope(name)`
+    (the recording of the host tier's policy stream: `eviction/recording.py`)."""
+    contains, pin = host.contains, host.pin
+
+    def scoped_contains(key: Any, pin: bool = False) -> bool:
+        with scope("contains"):
+            return contains(key, pin)
+
+    def scoped_pin(key: Any) -> bool:
+        with scope("pin"):
+            return pin(key)
+
+    host.contains = scoped_contains  # type: ignore[method-assign]
+    host.pin = scoped_pin  # type: ignore[method-assign]
 
 
 def run_before_host_closes(host: HostTier, hook: Callable[[], None]) -> None:

@@ -7,8 +7,10 @@ itself (vLLM's CPU worker rebinds Triton kernels across all loaded modules at st
 registers the policies right after LMCache's cache-policy module is first imported. LMCache-only programs call
 `register_host_policies()` once at start (`kvtier.launch.lmcache_engine` does). The adapter keeps LMCache's own
 dict as the store and lets the kvtier policy choose victims; session signals reach it through `session_signals`.
-LMCache calls the adapter under its own lock, but session signals come from the connector's threads without it:
-the adapter's lock orders both around every policy call, so a signal never reorders victims mid-scan.
+The calls themselves are plain Python (`eviction/host_calls.py`, which the offline replay of a recorded stream
+drives too). LMCache calls the adapter under its own lock, but session signals come from the connector's threads
+without it: the adapter's lock orders both around every policy call, so a signal never reorders victims mid-scan.
+With `kvtier.record_host_policy` the adapter records its stream (`eviction/recording.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import importlib.abc
 import importlib.machinery
 import logging
 import sys
-import threading
 from typing import Any
 
-from kvtier.storage_backends.eviction import make_policy, production_policy_names, session_signals
+from kvtier.storage_backends.eviction import make_policy, production_policy_names, recording
+from kvtier.storage_backends.eviction.host_calls import BUSY, EVICTABLE, GONE, ChunkState, HostPolicyCalls
 
 logger = logging.getLogger(__name__)
 
@@ -29,55 +31,46 @@ def lmcache_name(policy_name: str) -> str:
     return "KVTIER_" + policy_name.upper().replace("-", "_")
 
 
-def _adapter_class(policy_name: str):
+def _adapter_class(policy_name: str) -> type:
     from lmcache.v1.storage_backend.cache_policy.base_policy import BaseCachePolicy
 
     class KVTierHostPolicy(BaseCachePolicy):
-        """LMCache BaseCachePolicy backed by kvtier's `{policy_name}` policy."""
+        """LMCache BaseCachePolicy backed by kvtier's `{policy_name}` policy (through `HostPolicyCalls`)."""
 
         def __init__(self) -> None:
-            self.policy = make_policy(policy_name)
-            self.lock = threading.RLock()  # held around every policy call; session signals take it too
-            session_signals.register(self.policy, lock=self.lock)
+            where = recording.directory()
+            self.recorder: recording.StreamRecorder | None = None
+            if where is None:
+                self.policy = make_policy(policy_name)
+                self.calls = HostPolicyCalls(self.policy)
+            else:
+                self.recorder = recording.StreamRecorder.in_directory(where, policy_name)
+                self.policy = make_policy(policy_name, clock=self.recorder.clock)
+                self.calls = recording.RecordingHostPolicyCalls(self.policy, self.recorder)
+            self.lock = self.calls.lock
+            self.calls.register_signals()
             logger.info("LMCache host tier evicts with kvtier's %s policy", policy_name)
 
         def init_mutable_mapping(self) -> dict:
-            return {}
+            return {} if self.recorder is None else recording.LookupRecordingDict(self.recorder)
 
         def update_on_hit(self, key: Any, cache_dict: dict) -> None:
-            with self.lock:
-                if key in self.policy:
-                    self.policy.on_access(key)
+            self.calls.hit(key)
 
         def update_on_put(self, key: Any) -> None:
-            with self.lock:
-                if key in self.policy:
-                    self.policy.on_access(key)
-                else:
-                    self.policy.on_insert(key, 1)
+            self.calls.put(key)
 
         def update_on_force_evict(self, key: Any) -> None:
-            with self.lock:
-                self.policy.on_remove(key)
+            self.calls.force_evict(key)
 
         def get_evict_candidates(self, cache_dict: dict, num_candidates: int = 1) -> list:
-            stale = []  # keys LMCache dropped without telling the policy (non-forced removals)
-
-            def evictable(k: Any) -> bool:
-                obj = cache_dict.get(k)
+            def state(k: Any) -> ChunkState:
+                obj = cache_dict.get(k)  # None: LMCache dropped it without telling the policy (non-forced removal)
                 if obj is None:
-                    stale.append(k)
-                    return False
-                return obj.can_evict
+                    return GONE
+                return EVICTABLE if obj.can_evict else BUSY
 
-            out = []
-            with self.lock:
-                for key in self.policy.victims(num_candidates, evictable):
-                    out.append(key)
-                    self.policy.on_remove(key)  # LMCache removes candidates without telling the policy
-                for k in stale:
-                    self.policy.on_remove(k)
-            return out
+            return self.calls.evict_candidates(num_candidates, state)
 
     KVTierHostPolicy.__name__ = f"KVTierHostPolicy_{policy_name.replace('-', '_')}"
     return KVTierHostPolicy
