@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Sequence
 
 from kvtier.cli.demo_vllm_report import share_of_gain
+from kvtier.telemetry.lost_hits import REASONS
 
 Runs = list[dict[str, float]]
 Results = dict[str, dict[str, Runs]]
@@ -23,7 +24,7 @@ SHARE_KEYS = (("ttft_follow_mean", "mean"), ("ttft_follow_p50", "p50"), ("ttft_f
 SHARE_TARGET = 0.85  # issue 52, follow-up mean, at the median of rounds
 SPEEDUP_TARGET = 3.0  # issue 52, follow-up mean TTFT base / kvtier
 TIERS = ("gpu", "host", "ssd", "remote", "miss")
-LOST_REASONS = ("save_in_flight", "not_saved", "evicted", "not_found", "recomputed")
+LOST_REASONS = REASONS  # the ledger's reasons, in its prefix-walk order (kvtier.telemetry.lost_hits)
 
 
 def spread(xs: Sequence[float]) -> tuple[float, float, float]:

@@ -61,7 +61,8 @@ class LostHits:
         return self.recomputed + self.save_in_flight + self.not_saved + self.evicted + self.not_found
 
     def reasons(self) -> dict[str, int]:
-        return {r: int(getattr(self, r)) for r in REASONS}
+        return {"recomputed": self.recomputed, "save_in_flight": self.save_in_flight, "not_saved": self.not_saved,
+                "evicted": self.evicted, "not_found": self.not_found}
 
 
 class _Bounded:
