@@ -150,9 +150,13 @@ def check(path: str) -> str:
     elif raw is not None:
         raise ConfigError(f"{path}: {SHARED_KEY} is set but no shared store is named; add 'remote_url: "
                           f"redis://HOST:PORT' (or remote_storage_plugins), or remove {SHARED_KEY}")
+    from kvtier.storage_backends.admission.config import SSD_ADMISSION_KEY, AdmissionOptions
+
+    admission = AdmissionOptions.parse((cfg.extra_config or {}).get(SSD_ADMISSION_KEY))
     return (f"OK: {path}: plugin {names[0]!r} -> KVTierBackend, SSD tier at {kv.ssd_path} "
             f"({kv.ssd_capacity_gb:g} GiB, {kv.io_threads} I/O threads, io_engine={kv.io_engine}, "
-            f"eviction={kv.eviction_policy}), host tier {cfg.max_local_cpu_size:g} GiB (cache_policy {host_policy}), "
+            f"eviction={kv.eviction_policy}), SSD admission {admission.policy}, "
+            f"host tier {cfg.max_local_cpu_size:g} GiB (cache_policy {host_policy}), "
             f"chunk_size {cfg.chunk_size}"
             f"{shared}{recording}, LMCache {versions.installed.lmcache} ({versions.verdict.value}){capacity_note(kv)}")
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtier.compat import guard
 from kvtier.compat.guard import UnsupportedVersion  # noqa: F401 (re-exported: the connector's start error)
+from kvtier.storage_backends.admission.config import SSD_ADMISSION_KEY, AdmissionOptions
 from kvtier.storage_backends.config import PREFIX, ConfigError, KVTierConfig, parse_kvtier_config
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 #: keys of `kv_connector_extra_config` that belong to other kvtier components (not SSD-tier keys)
 CONNECTOR_KEY = "kvtier.connector"
 SCHEDULER_KEY = "kvtier.scheduler"
-FOREIGN_KEYS = (SCHEDULER_KEY, CONNECTOR_KEY, "kvtier.shared")
+FOREIGN_KEYS = (SCHEDULER_KEY, CONNECTOR_KEY, "kvtier.shared", "kvtier.ssd_admission")
 KV_LAYOUTS = ("auto", "split_token_dim", "split_last_dim", "split_head_dim", "kv_first", "block_first",
               "block_first_hnd")
 
@@ -121,6 +122,8 @@ class ConnectorConfig:
     #: the shared tier's options when the LMCache config names a remote store (`remote_url` /
     #: `remote_storage_plugins`), else None
     shared: Any = None
+    #: which chunks the SSD tier writes (`kvtier.ssd_admission`; default: all)
+    ssd_admission: AdmissionOptions = field(default_factory=AdmissionOptions)
 
 
 def _resolve_file(path: str) -> str:
@@ -200,7 +203,8 @@ def load_connector_config(extra: Mapping[str, Any] | None, block_size: int, *, p
                        "sha256_cbor")
     options = ConnectorOptions.parse(extra.get(CONNECTOR_KEY))
     check_scheduler_keys(extra.get(SCHEDULER_KEY))
-    return ConnectorConfig(path, lmc, kv, options, chunk, kv.page_tokens, extra, _shared_options(path, lmc, ec, extra))
+    return ConnectorConfig(path, lmc, kv, options, chunk, kv.page_tokens, extra, _shared_options(path, lmc, ec, extra),
+                           AdmissionOptions.parse(extra.get(SSD_ADMISSION_KEY, ec.get(SSD_ADMISSION_KEY))))
 
 
 def check_scheduler_keys(raw: Any) -> None:

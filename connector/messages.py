@@ -53,6 +53,9 @@ class SaveSpec:
     job_id: int = 0
     share: bool = True  # also write the new chunks to the shared tier (if there is one)
     tag: str = ""  # the request's identity tag (keys)
+    #: chunks (index = start token // chunk size) that the SSD tier does not write (`kvtier.ssd_admission`): they
+    #: stay in the host tier only
+    ssd_refused: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

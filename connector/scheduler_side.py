@@ -61,6 +61,7 @@ from kvtier.connector.messages import (
 )
 from kvtier.connector.rpc import Flush, Lookup, Release, RPCClient, RPCError, Stats, endpoint
 from kvtier.connector.scheduler_accounting import LostHitFeed
+from kvtier.connector.scheduler_admission import WriteAdmission
 from kvtier.connector.scheduler_prefetch import PrefetchQueue
 from kvtier.connector.scheduler_state import ComputingChunks, FixedPlan, RequestState, SaveJobs, overlap
 from kvtier.identity.request import RequestIdentity
@@ -84,6 +85,7 @@ class SchedulerSide:
         self.hints: dict[str, TierHint] = {}
         #: prompt chunks that admitted requests are computing right now (not yet saved)
         self.computing = ComputingChunks(self.chunk)
+        self.admission = WriteAdmission(cfg.shared, cfg.ssd_admission, self.chunk)
         self.prefetches = PrefetchQueue(self.client, cfg.options.prefetch_concurrency, cfg.options.prefetch_timeout_s)
         self.finished: list[FinishedSpec] = []
         #: recent admissions (first prompt tokens, tokens loaded, of which from SSD, of which from the shared
@@ -402,7 +404,9 @@ class SchedulerSide:
         self.admitted.append((list(request.prompt_token_ids[:4]), int(num_external_tokens),
                               int(st.sources.get("disk", 0)) if num_external_tokens else 0,
                               int(st.sources.get("remote", 0)) if num_external_tokens else 0))
-        st.share = self._shares(st, num_external_tokens)
+        # shared-tier and SSD-tier writes (`kvtier.shared.writes`, `kvtier.ssd_admission`)
+        self.admission.admit(st, max(st.lookup.hit_end, st.gpu_tokens + num_external_tokens),
+                             lambda: self.computing.keys(st))
         M.HIT_TOKENS.labels("gpu").inc(st.gpu_tokens)
         M.HIT_TOKENS.labels("miss").inc(max(0, request.num_tokens - st.gpu_tokens - num_external_tokens))
         M.QUERY_TOKENS.inc(request.num_tokens)
@@ -412,18 +416,6 @@ class SchedulerSide:
                 st.accounted = True
                 self.lost.admitted(st, num_external_tokens, len(blocks.get_block_ids()[0]) * self.block_size)
             self.computing.start(st, max(st.saved_upto, st.gpu_tokens + num_external_tokens))
-
-    def _shares(self, st: RequestState, num_external_tokens: int) -> bool:
-        """Whether an admitted request's new chunks go to the shared tier (`kvtier.shared.writes`): `all`, `none`,
-        or `continuing`: only when it continues an earlier turn (enough of its prompt was cached at arrival:
-        the chance of yet another turn grows with the conversation's depth)."""
-        opts = self.cfg.shared
-        if opts is None or opts.writes == "all":
-            return True
-        if opts.writes == "none":
-            return False
-        cached = max(st.lookup.hit_end, st.gpu_tokens + num_external_tokens)
-        return cached // self.chunk >= opts.min_history_chunks
 
     def build_connector_meta(self, so: Any) -> KVTierConnectorMetadata:
         self.pump()
@@ -476,7 +468,8 @@ class SchedulerSide:
                 key_tokens = st.key_tokens(toks[:save_end])
                 self.lost.save_issued(job, st, key_tokens, st.saved_upto, save_end)
                 md.saves.append(SaveSpec(rid, key_tokens, list(st.block_ids), st.saved_upto,
-                                         job_id=job, share=st.share, tag=st.tag))
+                                         job_id=job, share=st.share, tag=st.tag,
+                                         ssd_refused=self.admission.refused(st, st.saved_upto, save_end)))
                 st.saved_upto = save_end
         for rid in so.preempted_req_ids or ():
             md.preempted.append(rid)  # the worker finishes their saves before this step's forward pass

@@ -17,6 +17,7 @@ from kvtier.connector.messages import LoadSpec, LookupResult, PrefetchResult
 from kvtier.identity.request import RequestIdentity
 from kvtier.scheduler_hooks.hint_derivation import count_inflight
 from kvtier.scheduler_hooks.load_plan import LoadPlan
+from kvtier.storage_backends.admission.base import Decision
 
 __all__ = ["ComputingChunks", "FixedPlan", "RequestState", "SaveJobs", "overlap", "prefix_chunk_keys"]
 
@@ -35,6 +36,8 @@ class RequestState:
     prefetch_ssd_tokens: int = 0  # tokens that were only on SSD when the prefetch was queued
     prefetch_remote_tokens: int = 0  # tokens that were only in the shared tier then
     share: bool = True  # its saved chunks go to the shared tier too (`kvtier.shared.writes`)
+    #: which of its chunks the SSD tier writes (`kvtier.ssd_admission`; None: not decided yet, all are written)
+    ssd_admission: Decision | None = None
     partial: dict[int, PrefetchResult] = field(default_factory=dict)  # rank -> its prefetch's outcome
     #: (gpu_cached, load_end, stream_from) between lookup and allocation; stream_from: where the SSD stream takes
     #: over from the host tier (None: the whole load is host-resident)

@@ -47,6 +47,7 @@ from kvtier.connector.messages import (
     FinishedSpec,
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
+    SaveSpec,
 )
 from kvtier.connector.rpc import (
     Ack,
@@ -73,6 +74,7 @@ from kvtier.connector.worker_storage import SSDTierHandle, WorkerStorage, reques
 from kvtier.connector.worker_transfers import WorkerTransfers
 from kvtier.identity.model import FINGERPRINT_PREFIX, ModelFingerprint
 from kvtier.identity.vllm import engine_fingerprint
+from kvtier.storage_backends.admission.gate import RefusedKeys
 from kvtier.storage_backends.config import ConfigError
 from kvtier.storage_backends.eviction import recording, session_signals
 
@@ -125,6 +127,8 @@ class WorkerSide(WorkerTransfers):
         self.host: HostTier | None = None  # LMCache's LocalCPUBackend
         self.ssd: SSDTierHandle | None = None  # kvtier's SSD tier, through the LMCache plugin that owns it
         self.shared: SharedSide | None = None  # when the LMCache config names a shared store
+        #: chunks the SSD tier must not write (`SaveSpec.ssd_refused`), handed to the LMCache plugin's puts
+        self._ssd_refused: RefusedKeys | None = None
         #: lookups, pins and prefetches (built with the engine)
         self.storage: WorkerStorage | None = None
         #: the bounded staging area a load's SSD-resident rest streams through (None: `ssd_stream_chunks` 0)
@@ -236,6 +240,7 @@ class WorkerSide(WorkerTransfers):
                               "error is in the log above: LMCache only logs it); run `kvtier check-config "
                               f"{self.cfg.config_file}` to see the problem")
         self.ssd = SSDTierHandle(plugin)
+        self._ssd_refused = plugin.refused
         try:
             self.host = host_tier(self.engine)
         except ConfigError:
@@ -358,8 +363,20 @@ class WorkerSide(WorkerTransfers):
     def bind(self, md: KVTierConnectorMetadata) -> None:
         self._metadata = md
         self._held.update(md.held)
+        if self._ssd_refused is not None:
+            self._refuse_ssd_writes(md.saves)
         if md.finished:
             self._feedback(md.finished)
+
+    def _refuse_ssd_writes(self, saves: list[SaveSpec]) -> None:
+        """Name the chunks of this step's saves that write admission keeps off the SSD (before the saves run)."""
+        assert self._ssd_refused is not None
+        c = self.cfg.chunk_size
+        for spec in saves:
+            if spec.ssd_refused:
+                refused = set(spec.ssd_refused)
+                self._ssd_refused.refuse(key.to_string() for s, e, key in self._chunks(spec.token_ids, spec.tag)
+                                         if e - s == c and s // c in refused)
 
     def _feedback(self, finished: list[FinishedSpec]) -> None:
         for f in finished:

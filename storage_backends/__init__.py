@@ -4,6 +4,7 @@
   page-first GPU connectors);
 - `shared/`: the tier several engines share through LMCache's remote backend;
 - `eviction/`: the eviction policies every tier, the replay and the simulator run;
+- `admission/`: write admission, which chunks the SSD tier and the shared tier write (`kvtier.ssd_admission`);
 and, here, the shared storage contracts (`base`: `ChunkTier`, `ChunkMeta`, `TierStats`), the `kvtier.*` settings
 (`config`) and the storage metrics (`metrics`).
 

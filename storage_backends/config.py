@@ -17,7 +17,7 @@ from typing import Any
 
 PREFIX = "kvtier."
 #: `kvtier.<section>` keys holding a mapping of another component's options (parsed there, not SSD-tier keys)
-SECTION_KEYS = ("kvtier.shared",)
+SECTION_KEYS = ("kvtier.shared", "kvtier.ssd_admission")
 
 
 class ConfigError(ValueError):

@@ -48,3 +48,9 @@ HOST_POOL_EXHAUSTED = counter("kvtier_host_pool_exhausted_total",
 HOST_POOL_LOST = counter("kvtier_host_pool_lost_chunks_total",
                          "Chunks kvtier's connector could not store even after waiting for queued SSD writes "
                          "(later misses), by operation", ["op"])
+# write admission (storage_backends/admission/, `kvtier.ssd_admission`)
+SSD_ADMISSION_CHUNKS = counter("kvtier_ssd_admission_chunks_total", "Chunks the connector saved, by the SSD tier's "
+                               "admission decision: admitted (written to SSD too) or refused (host tier only)",
+                               ["decision"])
+SSD_ADMISSION_SKIPPED = counter("kvtier_ssd_admission_skipped_writes_total", "Chunks LMCache handed the SSD tier "
+                                "that write admission kept off the SSD")

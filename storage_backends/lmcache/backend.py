@@ -34,6 +34,8 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from kvtier.compat import guard
+from kvtier.storage_backends import metrics as SM
+from kvtier.storage_backends.admission.gate import RefusedKeys
 from kvtier.storage_backends.base import ChunkMeta, ChunkTier, HostTier
 from kvtier.storage_backends.config import ConfigError, parse_kvtier_config
 from kvtier.storage_backends.lmcache.engine_access import run_before_host_closes
@@ -110,6 +112,8 @@ class KVTierBackend(StoragePluginInterface):
                          local_cpu_backend=local_cpu_backend, loop=loop)
         self.kvtier_config = parse_kvtier_config(getattr(config, "extra_config", None))
         self._lookup_pins: dict[str, list[str]] = {}
+        #: chunks whose SSD write the connector's write admission refused (named by the worker before the store)
+        self.refused = RefusedKeys()
         #: puts this plugin ahead of LMCache's remote backends (None: no remote backend, or the scheduler role)
         self.local_first: LocalFirstOrder | None = None
         if local_cpu_backend is None:
@@ -208,7 +212,11 @@ class KVTierBackend(StoragePluginInterface):
             return None
         self._ensure_local_first()
         puts = []
+        kept = []
         for key, obj in zip(keys, objs, strict=True):
+            if self.refused.take(key.to_string()):  # kept off the SSD by write admission (kvtier.ssd_admission)
+                continue
+            kept.append(obj)
             extra = {}
             cached = getattr(obj.metadata, "cached_positions", None)
             if cached is not None:
@@ -217,7 +225,9 @@ class KVTierBackend(StoragePluginInterface):
                              obj.get_memory_format().name, extra)
             obj.ref_count_up()
             puts.append((key.to_string(), meta, obj.byte_array, self._on_put_done(key, obj, on_complete_callback)))
-        for obj, queued in zip(objs, self.tier.submit_puts(puts)):
+        if len(kept) < len(objs):
+            SM.SSD_ADMISSION_SKIPPED.inc(len(objs) - len(kept))
+        for obj, queued in zip(kept, self.tier.submit_puts(puts) if puts else []):
             if not queued:
                 obj.ref_count_down()
         return None
