@@ -26,9 +26,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvtier.replay import vllm_offload
 from kvtier.replay.traces import TraceRequest, input_error, read_trace, unique_blocks
+from kvtier.storage_backends.admission.base import ADMIT_ALL, AdmissionPolicy, AdmissionQuery, Decision
+from kvtier.storage_backends.admission.config import POLICIES as ADMISSION_POLICIES
+from kvtier.storage_backends.admission.config import make_policy as make_admission
 from kvtier.storage_backends.base import ChunkMeta
 from kvtier.storage_backends.eviction.base import (
     EvictionPolicy,
@@ -85,6 +89,9 @@ class ReplayResult:
     host_evictions: int
     seconds: float
     extra: dict = field(default_factory=dict)
+    ssd_admission: str = "all"  #: the SSD tier's write admission policy
+    ssd_writes: int = 0  #: blocks written to the SSD tier (scored requests)
+    ssd_refused: int = 0  #: missed blocks the admission kept off the SSD (host only)
 
 
 def parse_capacity(text: str, unique: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Capacity:
@@ -135,6 +142,7 @@ def simulate(
     score_from: float | None = None,
     decision_ns: list[int] | None = None,
     host_flags: list[bool] | None = None,
+    admission: AdmissionPolicy | None = None,
 ) -> dict:
     """Run the two-tier model; returns counters. `ssd=None` or `ssd_blocks=None` means an unbounded SSD.
     `score_from`: count hits and misses only for requests arriving at or after this time (seconds); earlier
@@ -142,7 +150,10 @@ def simulate(
     `decision_ns`: when given, the wall time of every host eviction decision (victims() until it has freed
     enough, with the on_remove calls) is appended to it, in nanoseconds.
     `host_flags`: when given, whether each block access (every request, scored or not, in replay order) was a
-    host-tier hit is appended to it (`tools.eviction_loss` reads where a policy's hits fall short from it)."""
+    host-tier hit is appended to it (`tools.eviction_loss` reads where a policy's hits fall short from it).
+    `admission`: the SSD tier's write admission (`kvtier.ssd_admission`'s policy objects), asked once per request
+    with the request's depth (leading blocks in host or SSD at its arrival) and its block keys; a missed block it
+    refuses goes to the host tier only (default: every missed block is written to SSD)."""
     clock = clock or ReplayClock()
     always = _always
     perf_ns = time.perf_counter_ns
@@ -158,13 +169,14 @@ def simulate(
                 host_used -= 1
 
         index.add_drop_listener(inclusive)
-    accesses = host_hits = ssd_hits = misses = evictions = 0
+    accesses = host_hits = ssd_hits = misses = evictions = ssd_writes = ssd_refused = 0
     for r in reqs:
         clock.now = r.timestamp
         chain = r.hash_ids
+        verdict = _admission(admission, chain, host, index if index is not None else ssd_set)
         host.on_request(chain, r.timestamp)
         scored = 1 if score_from is None or r.timestamp >= score_from else 0
-        for k in chain:
+        for i, k in enumerate(chain):
             accesses += scored
             if k in host:
                 host_hits += scored
@@ -179,16 +191,24 @@ def simulate(
                 if entries[0] is not None:
                     ssd_hits += scored
                     index.end_read((k,), entries, (None,), (True,))  # the SSD policy hears the hit
+                elif not verdict.admits(i):
+                    misses += scored
+                    ssd_refused += scored
                 else:
                     misses += scored
+                    ssd_writes += scored
                     res = index.reserve()  # evicts by the SSD policy when the tier is full
                     if res is None:
                         raise RuntimeError(f"{ssd.name}: the SSD tier found no victim ({len(index)}/{ssd_blocks})")
                     index.commit(k, res, _BLOCK, 1)
             elif k in ssd_set:
                 ssd_hits += scored
+            elif not verdict.admits(i):
+                misses += scored
+                ssd_refused += scored
             else:
                 misses += scored
+                ssd_writes += scored
                 ssd_set.add(k)
             if host_blocks <= 0:
                 continue
@@ -207,13 +227,28 @@ def simulate(
         host.on_request_finished(chain, r.output_length, r.timestamp)
         if progress is not None:
             progress(1)
-    return {
+    out = {
         "accesses": accesses,
         "host_hits": host_hits,
         "ssd_hits": ssd_hits,
         "misses": misses,
         "host_evictions": evictions,
     }
+    if admission is not None:  # blocks written to SSD, and missed blocks kept off it
+        out.update(ssd_writes=ssd_writes, ssd_refused=ssd_refused)
+    return out
+
+
+def _admission(policy: AdmissionPolicy | None, chain: Sequence[int], host: EvictionPolicy, ssd: Any) -> Decision:
+    """The SSD admission verdict for a request with block keys `chain` at its arrival."""
+    if policy is None:
+        return ADMIT_ALL
+    depth = 0
+    for k in chain:
+        if k not in host and k not in ssd:
+            break
+        depth += 1
+    return policy.decide(AdmissionQuery(depth, chain if policy.needs_keys else ()))
 
 
 #: what the replay's SSD index records per block (one block = one slot; no bytes move)
@@ -240,11 +275,15 @@ def replay_one(
     progress: Callable[[int], None] | None = None,
     score_from: float | None = None,
     decision_ns: list[int] | None = None,
+    ssd_admission: str = "all",
 ) -> ReplayResult:
-    """Replay `reqs` with `policy` governing the host tier (and `ssd_policy` a bounded SSD tier). `vllm-*` policies
-    are vLLM's own CPU-offload manager (`kvtier.replay.vllm_offload`), where vLLM can be imported."""
+    """Replay `reqs` with `policy` governing the host tier (and `ssd_policy` a bounded SSD tier; `ssd_admission`
+    its write admission). `vllm-*` policies are vLLM's own CPU-offload manager (`kvtier.replay.vllm_offload`), where
+    vLLM can be imported."""
     name = POLICY_ALIASES.get(policy, policy)
     if vllm_offload.is_vllm_policy(name):
+        if ssd_admission != "all":
+            raise ValueError(f"{name}: vLLM's CPU-offload manager is replayed without SSD admission")
         return _replay_vllm(reqs, name, host, ssd, progress, score_from)
     clock = ReplayClock()
     hp = build_policy(name, clock, host.blocks, **(policy_kwargs or {}))
@@ -256,7 +295,8 @@ def replay_one(
             raise ValueError("belady cannot govern the SSD tier in a replay (its future depends on the host tier)")
         sp = build_policy(ssd_policy, clock, ssd.blocks)
     t0 = time.perf_counter()
-    c = simulate(reqs, hp, host.blocks or 0, sp, ssd.blocks if ssd else None, clock, progress, score_from, decision_ns)
+    c = simulate(reqs, hp, host.blocks or 0, sp, ssd.blocks if ssd else None, clock, progress, score_from, decision_ns,
+                 admission=make_admission(ssd_admission))
     dt = time.perf_counter() - t0
     n = max(c["accesses"], 1)
     extra = {}
@@ -281,6 +321,9 @@ def replay_one(
         host_evictions=c["host_evictions"],
         seconds=dt,
         extra=extra,
+        ssd_admission=ssd_admission,
+        ssd_writes=c["ssd_writes"],
+        ssd_refused=c["ssd_refused"],
     )
 
 
@@ -332,6 +375,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay the host tier's policy (the LMCache YAML's cache_policy) and a bounded SSD tier's "
                              "(kvtier.eviction_policy) that this vLLM --kv-transfer-config JSON (or LMCache YAML) "
                              "sets; not with --policies or --ssd-policy")
+    parser.add_argument("--ssd-admission", default="all",
+                        help="comma list of the SSD tier's write admission policies (kvtier.ssd_admission: "
+                             f"{', '.join(ADMISSION_POLICIES)}); prints SSD bytes written, SSD hits and bytes "
+                             "written per hit for each")
     parser.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="bytes per block for GB sizes")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--until", type=float, default=None,
@@ -406,6 +453,11 @@ def run(args: argparse.Namespace) -> int:
                              f"{policy_names() + sorted(vllm_offload.VLLM_POLICIES)}")
     if any(vllm_offload.is_vllm_policy(p) for p in policies) and not vllm_offload.available():
         vllm_offload.simulate([], next(p for p in policies if vllm_offload.is_vllm_policy(p)), 1)  # raises: why
+    admissions = [a.strip() for a in args.ssd_admission.split(",") if a.strip()]
+    bad = [a for a in admissions if a not in ADMISSION_POLICIES]
+    if bad or not admissions:
+        raise SystemExit(f"kvtier replay: --ssd-admission {args.ssd_admission!r}: choose from "
+                         f"{', '.join(ADMISSION_POLICIES)}")
     try:
         hosts = [parse_capacity(c, uniq, args.block_bytes) for c in args.host_capacity.split(",") if c.strip()]
         ssd = parse_capacity(args.ssd_capacity, uniq, args.block_bytes)
@@ -416,7 +468,7 @@ def run(args: argparse.Namespace) -> int:
         sum(len(r.hash_ids) for r in reqs), unique_blocks(reqs),
     )
     results: list[ReplayResult] = []
-    total = len(reqs) * len(policies) * len(hosts)
+    total = len(reqs) * len(policies) * len(hosts) * len(admissions)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -425,10 +477,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         for host in hosts:
             for p in policies:
-                if bar is not None:
-                    bar.set_postfix_str(f"{p}@{host.label}")
-                results.append(replay_one(reqs, p, host, ssd, ssd_policy, progress=bar.update if bar else None,
-                                          score_from=args.score_from))
+                for adm in admissions:
+                    if bar is not None:
+                        bar.set_postfix_str(f"{p}@{host.label}")
+                    results.append(replay_one(reqs, p, host, ssd, ssd_policy, progress=bar.update if bar else None,
+                                              score_from=args.score_from, ssd_admission=adm))
     finally:
         if bar is not None:
             bar.close()
@@ -436,6 +489,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"scored: requests from t = {args.score_from:g} s on ({len(scored)} of {len(reqs)}); capacities as "
               f"fractions of their {uniq} unique blocks")
     print(format_table(results))
+    if admissions != ["all"]:
+        print(format_admission(results, args.block_bytes))
     versions = {r.extra["vllm"] for r in results if "vllm" in r.extra}
     if versions:
         print(f"vllm-* rows: vLLM {', '.join(sorted(versions))}'s own CPUOffloadingManager and cache policies")
@@ -457,6 +512,18 @@ def format_table(results: Sequence[ReplayResult]) -> str:
             f"{r.policy:<14} {r.host_capacity:>9} {r.host_capacity_blocks:>8} {100 * r.hit_rate:>8.2f}% "
             f"{100 * r.ssd_hit_rate:>8.2f}% {r.host_evictions:>10} {r.seconds:>7.2f}"
         )
+    return "\n".join(lines)
+
+
+def format_admission(results: Sequence[ReplayResult], block_bytes: int) -> str:
+    """SSD write admission per row: blocks and bytes written to SSD, SSD hits, bytes written per SSD hit."""
+    head = (f"{'policy':<14} {'host cap':>9} {'ssd admission':<13} {'ssd writes':>10} {'GB written':>10} "
+            f"{'ssd hits':>9} {'MB written/hit':>14}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        per_hit = f"{r.ssd_writes * block_bytes / r.ssd_hits / 1e6:>14.2f}" if r.ssd_hits else f"{'-':>14}"
+        lines.append(f"{r.policy:<14} {r.host_capacity:>9} {r.ssd_admission:<13} {r.ssd_writes:>10} "
+                     f"{r.ssd_writes * block_bytes / 1e9:>10.3f} {r.ssd_hits:>9} {per_hit}")
     return "\n".join(lines)
 
 
