@@ -15,6 +15,7 @@ from typing import Protocol
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig
 from kvtier.scheduler_hooks.hint_derivation import PrefixResidency
 from kvtier.sim.cost_model import DEFAULT_PROFILE
+from kvtier.storage_backends.admission.base import ADMIT_ALL, Decision
 
 __all__ = ["TRACE_BLOCK_TOKENS", "GpuJob", "SharedTierView", "SimConfig", "SimRequest", "SimResult", "load_trace",
            "percentile"]
@@ -54,6 +55,8 @@ class SimConfig:
     ssd_read_share: float = 0.5
     ssd_write_buffer_bytes: int = 2 << 30
     progress: bool = False
+    #: the SSD tier's write admission (`kvtier.ssd_admission`'s policies: all, continuing, second-sight, none)
+    ssd_admission: str = "all"
 
 
 @dataclass(slots=True)
@@ -93,6 +96,13 @@ class SimResult:
     queue_s: list[float] = field(default_factory=list, repr=False)
     ttft_s: list[float] = field(default_factory=list, repr=False)
     arrival_s: list[float] = field(default_factory=list, repr=False)
+    ssd_admission: str = "all"  #: the SSD tier's write admission
+    ssd_refused_blocks: int = 0  #: computed full blocks the admission kept off the SSD (host tier only)
+
+    @property
+    def ssd_hit_blocks(self) -> float:
+        """Prompt blocks (of the trace's block size) served from the SSD tier (prefetched or read in the step)."""
+        return (self.tokens.get("ssd_prefetch", 0) + self.tokens.get("ssd_sync", 0)) / TRACE_BLOCK_TOKENS
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -121,6 +131,8 @@ class GpuJob:
     first: float = math.inf
     end: float = math.inf
     estimate_s: float = 0.0
+    #: which of its blocks the SSD tier writes (the SSD admission's verdict at its admission)
+    ssd: Decision = ADMIT_ALL
 
 
 class SharedTierView(Protocol):

@@ -90,6 +90,7 @@ from kvtier.sim.cost_model import CostProfile, get_profile
 from kvtier.sim.gpu import GpuModel
 from kvtier.sim.ssd import SimSSD
 from kvtier.sim.tiers import TierModel
+from kvtier.storage_backends.admission.config import make_policy as make_admission
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,9 @@ class Simulator(TierModel, GpuModel):
         self.loading: dict[int, str] = {}  # block -> request whose SSD read brings it
         self.computing: dict[int, str] = {}  # block -> request whose prefill computes it
         self.seen: set[int] = set()  # blocks computed at least once
+        #: the SSD tier's write admission (asked once per admitted request) and the blocks it kept off the SSD
+        self.ssd_admission = make_admission(config.ssd_admission)
+        self.ssd_refused_blocks = 0
         self.pins: dict[int, int] = {}
         self.pinned_by: dict[str, set[int]] = {}
         self.staged: dict[str, set[int]] = {}  # blocks read for a waiting request (its pinned prefetch buffer)
@@ -461,6 +465,8 @@ class Simulator(TierModel, GpuModel):
             queue_s=q,
             ttft_s=tt,
             arrival_s=[by_id[i].arrival * self.config.time_scale for i in ids],
+            ssd_admission=self.config.ssd_admission,
+            ssd_refused_blocks=self.ssd_refused_blocks,
         )
 
 

@@ -12,6 +12,7 @@ import time
 from kvtier.scheduler_hooks.hint_derivation import PrefetchPhase
 from kvtier.scheduler_hooks.load_plan import LoadAction
 from kvtier.sim.base import EV_DECODE_DONE, EV_GPU_FREE, EV_LANDING, EV_PREFILL_DONE, GpuJob, SimRequest
+from kvtier.storage_backends.admission.base import AdmissionQuery
 
 __all__ = ["GpuModel"]
 
@@ -121,6 +122,8 @@ class GpuModel:
         while split < len(r.blocks) and (split + 1) * self.config.block_tokens <= before_last:
             split += 1
         job = GpuJob(r, stop, split, cached, new, host_b, sync_b, sync_blocks, sync_rb, sync_remote)
+        adm = self.ssd_admission  # depth: the blocks its prompt found cached at admission
+        job.ssd = adm.decide(AdmissionQuery(stop, r.blocks if adm.needs_keys else ()))
         job.estimate_s = self.cost.ssd_read_time(sync_b) + self.cost.host_to_gpu_time(host_b + sync_b + sync_rb) + \
             (self.remote.read_time(sync_rb) if sync_rb else 0.0) + \
             self.cost.prefill_time(new, cached) + self.cost.decode_gpu_time(r.output_tokens, r.input_tokens)
@@ -175,7 +178,10 @@ class GpuModel:
             nbytes = t * self.kv
             if self.tiers and t == self.config.block_tokens:  # the connector stores full chunks only
                 self._host_insert(b, nbytes)
-                self._ssd_write(b, nbytes)
+                if job.ssd.admits(i):
+                    self._ssd_write(b, nbytes)
+                else:
+                    self.ssd_refused_blocks += 1
                 if self.remote is not None:  # `writes: all`: written through to the shared tier
                     self.remote.write(b, nbytes)
 

@@ -47,6 +47,17 @@ def print_table(results: Sequence[SimResult]) -> None:
               f"P99 TTFT {r.p99_ttft_s / max(bt.p99_ttft_s, 1e-12):.2f}x")
 
 
+def print_admission(results: Sequence[SimResult]) -> None:
+    """The SSD tier's write admission per run: bytes written, SSD hits (blocks), bytes written per SSD hit."""
+    print(f"{'scheduler':<28}{'ssd admission':<14}{'GB written':>11}{'refused blocks':>15}{'ssd hit blocks':>15}"
+          f"{'MB written/hit':>15}")
+    for r in results:
+        hits = r.ssd_hit_blocks
+        per_hit = f"{r.ssd_write_gb * 1e3 / hits:>15.2f}" if hits else f"{'-':>15}"
+        print(f"{r.scheduler:<28}{r.ssd_admission:<14}{r.ssd_write_gb:>11.3f}{r.ssd_refused_blocks:>15}"
+              f"{hits:>15.0f}{per_hit}")
+
+
 def print_cluster_table(results: Sequence[ClusterResult]) -> None:
     """One row per cluster run: queueing, TTFT, hits per tier, and the shared store's traffic."""
     print(f"{'scheduler':<22}{'tiers':<14}{'done':>6}{'queue mean':>11}{'p99':>8}{'TTFT p99':>9}"

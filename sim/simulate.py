@@ -28,7 +28,8 @@ from kvtier.sim.base import SimConfig, SimRequest, SimResult, load_trace
 from kvtier.sim.cost_model import DEFAULT_PROFILE, PROFILES
 from kvtier.sim.engine import calibrate_time_scale, simulate
 from kvtier.sim.remote import ROUTINGS, RemoteConfig, route, run_cluster
-from kvtier.sim.report import plot, print_cluster_table, print_table
+from kvtier.sim.report import plot, print_admission, print_cluster_table, print_table
+from kvtier.storage_backends.admission.config import POLICIES as ADMISSION_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of the SSD reads get while write-back is queued (default 0.5)")
     parser.add_argument("--ssd-write-buffer-gb", type=float, default=2.0,
                         help="queued write-back before writes are dropped (default 2, production's default)")
+    parser.add_argument("--ssd-admission", default="all", choices=ADMISSION_POLICIES,
+                        help="the SSD tier's write admission (kvtier.ssd_admission's policy; default all); prints "
+                             "SSD bytes written, SSD hits and bytes written per hit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_cluster_arguments(parser)
 
@@ -183,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         ssd_read_share=args.ssd_read_share,
         ssd_write_buffer_bytes=int(args.ssd_write_buffer_gb * (1 << 30)),
         progress=not args.no_progress,
+        ssd_admission=args.ssd_admission,
     )
     span = reqs[-1].arrival - reqs[0].arrival or 1.0
     t0 = time.perf_counter()
@@ -202,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         res.load_factor = load_factor
         results.append(res)
     print_table(results)
+    if args.ssd_admission != "all":
+        print_admission(results)
     if args.json_out:
         payload = results[0].to_json() if len(results) == 1 else {
             "time_scale": scale, "load_factor": load_factor, "runs": [r.to_json() for r in results]}
