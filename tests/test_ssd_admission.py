@@ -241,3 +241,26 @@ def test_replay_table_prints_bytes_written_per_hit():
     table = format_admission(rows, 1_000_000).splitlines()
     assert table[2].split() == ["lru", "3blocks", "all", "6", "0.006", "1", "6.00"]
     assert table[3].split() == ["lru", "3blocks", "none", "0", "0.000", "0", "-"]
+
+
+def test_check_config_reports_the_policy_and_names_a_bad_key(lmcache_yaml):
+    pytest.importorskip("lmcache", reason="check-config loads the YAML as LMCache does")
+    from kvtier.cli.check_config import check
+
+    assert "SSD admission all," in check(lmcache_yaml())
+    assert "SSD admission second-sight," in check(lmcache_yaml(ssd_admission={"policy": "second-sight"}))
+    with pytest.raises(ConfigError, match=r"kvtier\.ssd_admission\.ghost_chunks must be an integer >= 1"):
+        check(lmcache_yaml(ssd_admission={"policy": "second-sight", "ghost_chunks": 0}))
+
+
+def test_the_connector_reads_the_section_inline_over_the_yaml(lmcache_yaml):
+    pytest.importorskip("lmcache", reason="the connector's config loads the YAML as LMCache does")
+    from kvtier.connector.config import load_connector_config
+
+    path = lmcache_yaml(ssd_admission={"policy": "continuing"})
+    assert load_connector_config({"config_file": path}, 16, prepare_dir=False).ssd_admission.policy == "continuing"
+    inline = {"config_file": path, "kvtier.ssd_admission": {"policy": "none"}}
+    assert load_connector_config(inline, 16, prepare_dir=False).ssd_admission.policy == "none"
+    assert load_connector_config({"config_file": lmcache_yaml()}, 16, prepare_dir=False).ssd_admission.policy == "all"
+    with pytest.raises(ConfigError, match=r"kvtier\.ssd_admission\.policy must be one of"):
+        load_connector_config({"config_file": path, "kvtier.ssd_admission": {"policy": "lru"}}, 16, prepare_dir=False)
