@@ -264,3 +264,26 @@ def test_the_connector_reads_the_section_inline_over_the_yaml(lmcache_yaml):
     assert load_connector_config({"config_file": lmcache_yaml()}, 16, prepare_dir=False).ssd_admission.policy == "all"
     with pytest.raises(ConfigError, match=r"kvtier\.ssd_admission\.policy must be one of"):
         load_connector_config({"config_file": path, "kvtier.ssd_admission": {"policy": "lru"}}, 16, prepare_dir=False)
+
+
+def test_the_worker_names_the_refused_chunks_keys_before_the_save():
+    from kvtier.connector.messages import KVTierConnectorMetadata, SaveSpec
+    from kvtier.connector.worker_side import WorkerSide
+
+    w = WorkerSide.__new__(WorkerSide)
+    w.cfg = SimpleNamespace(chunk_size=2)
+    w._held = set()
+    w._ssd_refused = RefusedKeys()
+    asked: list[tuple[list[int], str]] = []
+
+    def chunks(tokens, tag=""):
+        asked.append((list(tokens), tag))
+        return [(0, 2, SimpleNamespace(to_string=lambda: "a")), (2, 4, SimpleNamespace(to_string=lambda: "b")),
+                (4, 6, SimpleNamespace(to_string=lambda: "c"))]
+
+    w._chunks = chunks
+    md = KVTierConnectorMetadata(saves=[SaveSpec("r", [1] * 6, [0], 2, ssd_refused=(1, 2), tag="t"),
+                                        SaveSpec("s", [2] * 6, [0], 0)])
+    w.bind(md)
+    assert asked == [([1] * 6, "t")]  # a save without refusals costs no key derivation
+    assert not w._ssd_refused.take("a") and w._ssd_refused.take("b") and w._ssd_refused.take("c")
