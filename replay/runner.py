@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvtier.replay import vllm_offload
+from kvtier.replay.engine_model import format_differences
 from kvtier.replay.traces import TraceRequest, input_error, read_trace, unique_blocks
 from kvtier.storage_backends.base import ChunkMeta
 from kvtier.storage_backends.eviction.base import (
@@ -436,6 +437,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"scored: requests from t = {args.score_from:g} s on ({len(scored)} of {len(reqs)}); capacities as "
               f"fractions of their {uniq} unique blocks")
     print(format_table(results))
+    print(format_differences("replay"))
     versions = {r.extra["vllm"] for r in results if "vllm" in r.extra}
     if versions:
         print(f"vllm-* rows: vLLM {', '.join(sorted(versions))}'s own CPUOffloadingManager and cache policies")
