@@ -36,6 +36,7 @@ from kvtier.connector.rpc import StatsReply
 from kvtier.connector.transfer_timing import AT_ONCE, TransferTiming
 from kvtier.scheduler_hooks.prefix_walk import HOST, RESIDENT, SSD, walk_chunks
 from kvtier.storage_backends.eviction import session_signals
+from kvtier.storage_backends.lmcache.engine_access import report_host_hits
 
 if TYPE_CHECKING:
     from lmcache.utils import CacheEngineKey
@@ -360,16 +361,19 @@ class WorkerStorage:
         own.clear()
 
     def after_retrieve(self, rid: str, tokens: list[int], ret: torch.Tensor, skip: int, tag: str = "") -> None:
-        """A load of `rid` retrieved `tokens` (`ret`: which arrived; the first `skip` were not asked for). LMCache
-        <= 0.5.5 released one pin of each chunk its retrieve returned (`kvtier.compat.lmcache_retrieve_pins`):
-        those are no longer this request's to release."""
-        if not self._retrieve_pins.consumes_pins:
-            return
+        """A load of `rid` retrieved `tokens` (`ret`: which arrived; the first `skip` were not asked for) from the
+        host tier. The chunks it read are hits for the host tier's eviction policy (`report_host_hits`: LMCache
+        tells its policy only on its own pinned lookups, which kvtier's connector does not make). LMCache <= 0.5.5
+        released one pin of each chunk its retrieve returned (`kvtier.compat.lmcache_retrieve_pins`): those are no
+        longer this request's to release."""
         try:
             retrieved = [k for start, end, k in self._chunks(tokens, tag)
                          if start >= skip and bool(ret[start:end].all())]
         except Exception:  # then they are released twice: LMCache logs it and clamps the count at 0
-            logger.exception("kvtier: cannot tell which chunks the retrieve of %s unpinned", rid)
+            logger.exception("kvtier: cannot tell which chunks the retrieve of %s read", rid)
+            return
+        report_host_hits(self.host, retrieved)
+        if not self._retrieve_pins.consumes_pins:
             return
         with self._lock:
             pins = self._pins.get(rid)

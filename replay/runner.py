@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtier.replay import vllm_offload
+from kvtier.replay.engine_model import format_differences
 from kvtier.replay.traces import TraceRequest, input_error, read_trace, unique_blocks
 from kvtier.storage_backends.admission.base import ADMIT_ALL, AdmissionPolicy, AdmissionQuery, Decision
 from kvtier.storage_backends.admission.config import POLICIES as ADMISSION_POLICIES
@@ -491,6 +492,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results))
     if admissions != ["all"]:
         print(format_admission(results, args.block_bytes))
+    print(format_differences("replay"))
     versions = {r.extra["vllm"] for r in results if "vllm" in r.extra}
     if versions:
         print(f"vllm-* rows: vLLM {', '.join(sorted(versions))}'s own CPUOffloadingManager and cache policies")

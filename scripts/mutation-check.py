@@ -626,6 +626,13 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         '"not_found": ideal - whole}',
         'tests/test_lost_hits.py',
     ),
+    (
+        'host tier: what a load read never reaches the eviction policy',
+        'connector/worker_storage.py',
+        '        report_host_hits(self.host, retrieved)\n',
+        '',
+        'tests/test_connector_ssd_stream.py::test_chunks_a_load_read_are_hits_for_the_host_tiers_policy',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu",

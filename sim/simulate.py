@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from kvtier.replay.engine_model import format_differences
 from kvtier.replay.traces import input_error
 from kvtier.scheduler_hooks.dual_queue_policy import (
     DUAL_QUEUE_MODIFIERS,
@@ -209,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(results)
     if args.ssd_admission != "all":
         print_admission(results)
+    print(format_differences("simulate"))
     if args.json_out:
         payload = results[0].to_json() if len(results) == 1 else {
             "time_scale": scale, "load_factor": load_factor, "runs": [r.to_json() for r in results]}

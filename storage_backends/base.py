@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, MutableMapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -175,6 +176,12 @@ class ChunkTier(Protocol):
         ...
 
 
+class HostCachePolicy(Protocol):
+    """The one call of LMCache's host-tier cache policy (`BaseCachePolicy`) that kvtier makes: a chunk was read."""
+
+    def update_on_hit(self, key: Any, cache_dict: Any) -> None: ...
+
+
 class HostTier(Protocol):
     """LMCache's `LocalCPUBackend` as kvtier uses it: keys are LMCache `CacheEngineKey`s, chunks `MemoryObj`s (typed
     `Any` here, so that this module imports without LMCache). `get_blocking` and `allocate` hand the caller one
@@ -182,6 +189,10 @@ class HostTier(Protocol):
 
     #: the chunks held, by key (kvtier reads its size and the objects' `can_evict`)
     hot_cache: MutableMapping[Any, Any]
+    #: LMCache's lock around `hot_cache` and every call into `cache_policy`
+    cpu_lock: AbstractContextManager[Any]
+    #: the eviction policy LMCache runs over `hot_cache` (its own, or kvtier's through `KVTIER_<NAME>`)
+    cache_policy: HostCachePolicy
 
     def allocate(self, shapes: Any, dtypes: Any, fmt: Any = None, eviction: bool = True,
                  busy_loop: bool = True) -> Any: ...

@@ -255,6 +255,41 @@ def test_prefetch_leaves_ssd_chunks_to_a_device_stream(stored, direct):
         storage.close()
 
 
+def test_chunks_a_load_read_are_hits_for_the_host_tiers_policy(stored):
+    """What a load read from the host tier reaches the tier's eviction policy as hits (LMCache's LRU here, the
+    YAML's default), as LMCache's own pinned lookups do: afterwards its victims are the chunks no load read, oldest
+    first, then the read ones, their prefix's head last. Without the report (kvtier pins and reads through calls
+    that never reach the policy) the host tier evicts in insertion order: chunk 0 first."""
+    from kvtier.connector.config import ConnectorOptions
+    from kvtier.connector.worker_storage import WorkerStorage
+
+    s = stored
+    storage = WorkerStorage(s["host"], s["ssd"], None, lambda toks, tag="": list(s["eng"].token_database.process_tokens(
+        tokens=torch.tensor(toks))), CHUNK, ConnectorOptions(), lambda **kw: None, lambda: None)
+    try:
+        tokens = list(range(11, 11 + NCHUNKS * CHUNK))
+        storage.submit_prefetch("r", tokens)  # the 7 chunks into the host tier, in order
+        for _ in range(600):
+            got = storage.take_results(["r"])
+            if got:
+                break
+            time.sleep(0.05)
+        assert got["r"].ok and len(s["host"].hot_cache) == NCHUNKS, got
+        storage.release("r")
+        keys = [k for _, _, k in s["chunks"]]
+        # a load of the first 4 chunks' tokens that asked for chunks 1..3 (chunk 0 was in the GPU) and got 1..2
+        ret = torch.zeros(4 * CHUNK, dtype=torch.bool)
+        ret[CHUNK:3 * CHUNK] = True
+        storage.after_retrieve("r2", tokens[:4 * CHUNK], ret, skip=CHUNK)
+        host = s["host"]
+        with host.cpu_lock:
+            order = host.cache_policy.get_evict_candidates(host.hot_cache, NCHUNKS)
+        assert order == [keys[0], keys[3], keys[4], keys[5], keys[6], keys[2], keys[1]], \
+            [keys.index(k) for k in order]
+    finally:
+        storage.close()
+
+
 def test_a_byte_gone_bad_in_device_memory_is_a_miss(stored):
     """The check runs on what landed in (device) memory, not on what the disk holds: a byte flipped after the
     read (the last one of the chunk, in its last piece) is a miss, and nothing is written into the blocks."""

@@ -177,6 +177,11 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "hit rate" in printed and "answer-length" in printed
+    # how its host tier differs from the engine's, every difference that applies to the replay (issue 50)
+    from kvtier.replay.engine_model import differences
+
+    assert len(differences("replay")) >= 5
+    assert all(f"- {d.aspect}: replay" in printed for d in differences("replay")), printed
     doc = json.loads(out.read_text())
     res = doc["results"]
     assert len(res) == 8 and doc["unique_blocks"] == 60 * 7 + 1

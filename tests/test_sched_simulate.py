@@ -352,6 +352,11 @@ def test_cli_single_scheduler_end_to_end(trace, tmp_path, capsys):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "load factor" in printed and "dual-queue" in printed
+    # how its host tier differs from the engine's, each difference that applies to the simulator (issue 50)
+    from kvtier.replay.engine_model import differences
+
+    assert "differs from the engine's" in printed
+    assert all(f"- {d.aspect}: simulate" in printed for d in differences("simulate")), printed
 
 
 def test_cli_all_schedulers_with_given_time_scale(trace, tmp_path):

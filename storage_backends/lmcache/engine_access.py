@@ -14,7 +14,8 @@ here: each is read directly. What it reaches into:
   tier it stages reads in), `pq_executor` (an `AsyncPQExecutor`) and the Redis clients `connection` / `cluster`;
 - `LocalCPUBackend` (`HostTier`, `storage_backends/base.py`): its `allocate`, `batched_allocate` and `close` are
   replaced on the instance (LMCache's manager and connectors call the pool through these attributes); so are
-  `contains` and `pin` while the host tier's policy stream is recorded (`hook_host_lookups`).
+  `contains` and `pin` while the host tier's policy stream is recorded (`hook_host_lookups`); its `cpu_lock` and
+  `cache_policy.update_on_hit` tell the policy what a load read (`report_host_hits`).
 
 LMCache is imported inside the functions: the shared tier imports this module, and imports without LMCache.
 """
@@ -25,7 +26,7 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -100,6 +101,21 @@ def hook_host_lookups(host: HostTier, scope: Callable[[str], AbstractContextMana
 
     host.contains = scoped_contains  # type: ignore[method-assign]
     host.pin = scoped_pin  # type: ignore[method-assign]
+
+
+def report_host_hits(host: HostTier, keys: Sequence[Any]) -> int:
+    """Tell the host tier's eviction policy that a load read `keys` (a request's prefix, in order), as LMCache's own
+    lookup does after it pins a prefix (`LocalCPUBackend.touch_cache`): last chunk first, so that a prefix's head
+    is the most recent. kvtier's connector pins and reads through other calls, which never reach the policy:
+    without this its LRU would evict in insertion order. Keys the tier no longer holds are skipped; returns how
+    many were reported."""
+    n = 0
+    with host.cpu_lock:
+        for key in reversed(keys):
+            if key in host.hot_cache:
+                host.cache_policy.update_on_hit(key, host.hot_cache)
+                n += 1
+    return n
 
 
 def run_before_host_closes(host: HostTier, hook: Callable[[], None]) -> None:
