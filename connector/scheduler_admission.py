@@ -8,24 +8,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
+from kvtier.connector.scheduler_state import RequestState
 from kvtier.storage_backends import metrics as SM
 from kvtier.storage_backends.admission.base import ADMIT_ALL, AdmissionQuery
 from kvtier.storage_backends.admission.config import AdmissionOptions, policy_for, shared_policy
+from kvtier.storage_backends.shared.config import SharedTierOptions
 
 logger = logging.getLogger(__name__)
 
 
 class WriteAdmission:
-    def __init__(self, shared: Any, ssd: AdmissionOptions | None, chunk: int) -> None:
+    def __init__(self, shared: SharedTierOptions | None, ssd: AdmissionOptions | None, chunk: int) -> None:
         self.shared = shared_policy(shared)
         self.ssd = policy_for(ssd or AdmissionOptions())
         self.chunk = chunk
         if self.ssd.name != "all":
             logger.info("kvtier: SSD write admission %s", self.ssd.name)
 
-    def admit(self, st: Any, cached_tokens: int, keys: Callable[[], Sequence[Hashable]]) -> None:
+    def admit(self, st: RequestState, cached_tokens: int, keys: Callable[[], Sequence[Hashable]]) -> None:
         """Decide for request state `st` (its `share` and `ssd_admission`), `cached_tokens` of whose prompt were
         cached at arrival; `keys()` gives its prompt chunk keys (computed only for a policy that reads them). The
         shared verdict is decided again when a preempted request is admitted again (as before); the SSD verdict
@@ -35,7 +36,7 @@ class WriteAdmission:
         if st.ssd_admission is None:
             st.ssd_admission = self.ssd.decide(AdmissionQuery(cached, keys() if self.ssd.needs_keys else ()))
 
-    def refused(self, st: Any, skip: int, end: int) -> tuple[int, ...]:
+    def refused(self, st: RequestState, skip: int, end: int) -> tuple[int, ...]:
         """Chunk indices in [skip, end) (tokens, chunk aligned) of `st`'s save that the SSD tier must not write;
         counts the save's chunks by decision."""
         first, last = skip // self.chunk, end // self.chunk

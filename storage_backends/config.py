@@ -203,6 +203,31 @@ def _build(merged: dict[str, Any], label: Callable[[str], str], where: str, exam
     return KVTierConfig(**values)
 
 
+def require_mapping(raw: Any, where: str, example: str) -> Mapping[str, Any]:
+    """`raw` as the mapping of options a `where` key must hold (`example`: one, as the user would write it)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where} must be a mapping of options (e.g. {example}), got {raw!r}")
+    return raw
+
+
+def refuse_unknown_keys(raw: Mapping[Any, Any], known: list[str], where: str) -> None:
+    """A ConfigError naming each key of `raw` not in `known` as `where.<key>`, with the closest known one."""
+    unknown = sorted(str(k) for k in set(raw) - set(known))
+    if unknown:
+        import difflib
+
+        hints = [f" (did you mean {where}.{m[0]}?)" if (m := difflib.get_close_matches(u, known, 1)) else ""
+                 for u in unknown]
+        raise ConfigError(f"unknown key(s) {', '.join(f'{where}.{u}{h}' for u, h in zip(unknown, hints))}; "
+                          f"known: {', '.join(known)}")
+
+
+def check_int(value: Any, key: str, least: int) -> None:
+    """A ConfigError unless `value` (option `key`) is an integer (not a bool) >= `least`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{key} must be an integer >= {least}, got {value!r}")
+
+
 def _recording_directory(path: str, key: str) -> str:
     """`path` made absolute; ConfigError if it names something other than a directory or cannot be created."""
     path = os.path.abspath(os.path.expanduser(path))

@@ -15,7 +15,6 @@ same classes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -24,7 +23,8 @@ from kvtier.storage_backends.admission.admit_none import AdmitNone
 from kvtier.storage_backends.admission.base import AdmissionPolicy
 from kvtier.storage_backends.admission.continuing import Continuing
 from kvtier.storage_backends.admission.second_sight import SecondSight
-from kvtier.storage_backends.config import ConfigError
+from kvtier.storage_backends.config import ConfigError, check_int, refuse_unknown_keys, require_mapping
+from kvtier.storage_backends.shared.config import SharedTierOptions
 
 logger = logging.getLogger(__name__)
 
@@ -43,24 +43,14 @@ class AdmissionOptions:
     def parse(cls, raw: Any, where: str = SSD_ADMISSION_KEY) -> AdmissionOptions:
         if raw is None:
             return cls()
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"{where} must be a mapping of options (e.g. {{policy: second-sight}}), got {raw!r}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(str(k) for k in set(raw) - set(known))
-        if unknown:
-            import difflib
-
-            hints = [f" (did you mean {where}.{m[0]}?)" if (m := difflib.get_close_matches(u, known, 1)) else ""
-                     for u in unknown]
-            raise ConfigError(f"unknown key(s) {', '.join(f'{where}.{u}{h}' for u, h in zip(unknown, hints))}; "
-                              f"known: {', '.join(known)}")
+        raw = require_mapping(raw, where, "{policy: second-sight}")
+        refuse_unknown_keys(raw, [f.name for f in fields(cls)], where)
         out = cls(**raw)
         if out.policy not in POLICIES:
             raise ConfigError(f"{where}.policy must be one of {', '.join(POLICIES)}, got {out.policy!r}")
-        for name, least in (("min_history_chunks", 0), ("ghost_chunks", 1), ("min_seen_chunks", 1)):
-            v = getattr(out, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ConfigError(f"{where}.{name} must be an integer >= {least}, got {v!r}")
+        check_int(out.min_history_chunks, f"{where}.min_history_chunks", 0)
+        check_int(out.ghost_chunks, f"{where}.ghost_chunks", 1)
+        check_int(out.min_seen_chunks, f"{where}.min_seen_chunks", 1)
         return out
 
 
@@ -82,7 +72,7 @@ def make_policy(name: str) -> AdmissionPolicy:
     return policy_for(AdmissionOptions.parse({"policy": name}))
 
 
-def shared_policy(shared: Any) -> AdmissionPolicy:
+def shared_policy(shared: SharedTierOptions | None) -> AdmissionPolicy:
     """The shared tier's write policy (`kvtier.shared.writes`: all | continuing | none, with its
     `min_history_chunks`) as an admission policy object; None options (no shared tier) write all."""
     if shared is None:

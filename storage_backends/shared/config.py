@@ -19,11 +19,10 @@ compatible; the former `kvtier.shared.model_id` is refused with a message saying
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.storage_backends.config import ConfigError
+from kvtier.storage_backends.config import ConfigError, check_int, refuse_unknown_keys, require_mapping
 
 SHARED_KEY = "kvtier.shared"
 WRITE_POLICIES = ("all", "continuing", "none")
@@ -53,22 +52,14 @@ class SharedTierOptions:
     def parse(cls, raw: Any, where: str = SHARED_KEY) -> SharedTierOptions:
         if raw is None:
             return cls()
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"{where} must be a mapping of options (e.g. {{writes: all}}), got {raw!r}")
+        raw = require_mapping(raw, where, "{writes: all}")
         known = [f.name for f in fields(cls)]
         if "model_id" in raw:
             raise ConfigError(f"{where}.model_id is gone: shared keys now carry a fingerprint of the weights' content "
                               "(replicas of the same build share chunks wherever their model files lie); to declare "
                               "two builds' KV compatible, set kvtier.model_identity on both instead "
                               "(docs/design/identity.md)")
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            import difflib
-
-            hints = [f" (did you mean {where}.{m[0]}?)" if (m := difflib.get_close_matches(str(u), known, 1)) else ""
-                     for u in unknown]
-            raise ConfigError(f"unknown key(s) {', '.join(f'{where}.{u}{h}' for u, h in zip(unknown, hints))}; "
-                              f"known: {', '.join(known)}")
+        refuse_unknown_keys(raw, known, where)
         out = cls(**raw)
         if out.writes not in WRITE_POLICIES:
             raise ConfigError(f"{where}.writes must be one of {', '.join(WRITE_POLICIES)}, got {out.writes!r}")
@@ -78,11 +69,8 @@ class SharedTierOptions:
             v = getattr(out, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"{where}.{name} must be a number > 0, got {v!r}")
-        for name in ("max_queued_write_mb", "min_history_chunks"):
-            v = getattr(out, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "max_queued_write_mb" else 0):
-                raise ConfigError(f"{where}.{name} must be an integer >= "
-                                  f"{1 if name == 'max_queued_write_mb' else 0}, got {v!r}")
+        check_int(out.max_queued_write_mb, f"{where}.max_queued_write_mb", 1)
+        check_int(out.min_history_chunks, f"{where}.min_history_chunks", 0)
         return out
 
 
