@@ -271,6 +271,34 @@ def run_order(names: list[str], rnd: int, workload: str) -> list[str]:
     return [n for n in names[k:] + names[:k] if workload == "reuse" or n != "ideal"]
 
 
+# --------------------------------------------------------------------------------------------- servers
+def kvtier_yaml(path: Path, chunk: int, host_mb: float, ssd: str, ssd_mb: float, lmcache_lines: str = "",
+                kvtier_lines: str = "") -> Path:
+    """The LMCache YAML of a kvtier server (host tier `host_mb`, SSD tier `ssd_mb` at `ssd`); `lmcache_lines` /
+    `kvtier_lines`: more top-level / `extra_config` lines."""
+    path.write_text(f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {host_mb / 1024:.9f}\n"
+                    f"{lmcache_lines}pre_caching_hash_algorithm: sha256_cbor\nstorage_plugins: [\"kvtier\"]\n"
+                    "extra_config:\n  storage_plugin.kvtier.module_path: kvtier.storage_backends\n"
+                    "  storage_plugin.kvtier.class_name: KVTierBackend\n"
+                    f"  kvtier.ssd_path: {ssd}\n  kvtier.ssd_capacity_gb: {ssd_mb / 1024:.9f}\n{kvtier_lines}")
+    return path
+
+
+def kvtier_server_args(yaml: Path) -> list[str]:
+    """`vllm serve` arguments that add kvtier's connector (config `yaml`) and the dual-queue scheduler hook."""
+    kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector", "kv_role": "kv_both",
+          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config_file": str(yaml)}}
+    return ["--kv-transfer-config", json.dumps(kv), "--scheduler-cls", "kvtier.scheduler_hooks.DualQueueScheduler"]
+
+
+def vllm_server_args(args: argparse.Namespace, page: int) -> list[str]:
+    """The `vllm serve` settings every server of a run shares (the demo model on vLLM's CPU build)."""
+    max_len = -(-(args.max_prompt_tokens + args.max_answer_tokens) // page) * page
+    return ["--dtype", "float32", "--max-model-len", str(max_len), "--block-size", str(page),
+            "--num-gpu-blocks-override", str(args.gpu_blocks), "--enforce-eager", "--seed", "0",
+            "--max-num-seqs", str(max(4, args.concurrency)), "--shutdown-timeout", "10"]
+
+
 # --------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,19 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     hf_home = work / "hf"
     hf_cache(model, hf_home)
     page, chunk = 32, 64
-    max_len = -(-(args.max_prompt_tokens + args.max_answer_tokens) // page) * page
     ssd = args.ssd_path or str(work / "ssd")
-    yaml = work / "lmcache-kvtier.yaml"
-    yaml.write_text(f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {args.host_mb / 1024:.9f}\n"
-                    "pre_caching_hash_algorithm: sha256_cbor\nstorage_plugins: [\"kvtier\"]\nextra_config:\n"
-                    "  storage_plugin.kvtier.module_path: kvtier.storage_backends\n"
-                    "  storage_plugin.kvtier.class_name: KVTierBackend\n"
-                    f"  kvtier.ssd_path: {ssd}\n  kvtier.ssd_capacity_gb: {args.ssd_mb / 1024:.9f}\n")
-    kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector", "kv_role": "kv_both",
-          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config_file": str(yaml)}}
-    vllm_args = ["--dtype", "float32", "--max-model-len", str(max_len), "--block-size", str(page),
-                 "--num-gpu-blocks-override", str(args.gpu_blocks), "--enforce-eager", "--seed", "0",
-                 "--max-num-seqs", str(max(4, args.concurrency)), "--shutdown-timeout", "10"]
+    yaml = kvtier_yaml(work / "lmcache-kvtier.yaml", chunk, args.host_mb, ssd, args.ssd_mb)
+    vllm_args = vllm_server_args(args, page)
     n_follow = sum(follow)
     n_ideal = ideal_blocks(reuse, args.block_tokens, page, args.concurrency)
     reusable = reusable_tokens(reuse, args.block_tokens, page)
@@ -357,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     ideal_tokens: int | None = None
     try:
         servers["base"] = ServeProcess("base", work, model, free_port(args.port), vllm_args)
-        servers["kvtier"] = ServeProcess("kvtier", work, model, free_port(args.port), vllm_args, [
-            "--kv-transfer-config", json.dumps(kv), "--scheduler-cls", "kvtier.scheduler_hooks.DualQueueScheduler"])
+        servers["kvtier"] = ServeProcess("kvtier", work, model, free_port(args.port), vllm_args,
+                                         kvtier_server_args(yaml))
         if args.ideal:
             servers["ideal"] = ServeProcess("ideal", work, model, free_port(args.port), ideal_args, env=ideal_env)
         deadline = time.monotonic() + 600

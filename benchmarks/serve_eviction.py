@@ -33,10 +33,13 @@ from serve_aiperf import (  # the sibling module (benchmarks/ is the script's sy
     follow_ups,
     hf_cache,
     kvtier_hits,
+    kvtier_server_args,
+    kvtier_yaml,
     read_trace,
     run_aiperf,
     scale,
     summarize,
+    vllm_server_args,
     write_jsonl,
 )
 from serve_report import spread
@@ -55,16 +58,6 @@ def unique_chunks(rows: list[dict[str, Any]], block: int, chunk: int) -> int:
     """Distinct whole-chunk prompt prefixes of one round (a chunk is `chunk // block` trace blocks)."""
     per = max(1, chunk // block)
     return len({tuple(r["hash_ids"][:per * k]) for r in rows for k in range(1, len(r["hash_ids"]) // per + 1)})
-
-
-def server_yaml(path: Path, host_mb: float, ssd_dir: Path, ssd_mb: float, policy: str) -> None:
-    path.write_text(f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: {host_mb / 1024:.9f}\n"
-                    f"cache_policy: {lmcache_name(policy)}\n"
-                    "pre_caching_hash_algorithm: sha256_cbor\nstorage_plugins: [\"kvtier\"]\nextra_config:\n"
-                    "  storage_plugin.kvtier.module_path: kvtier.storage_backends\n"
-                    "  storage_plugin.kvtier.class_name: KVTierBackend\n"
-                    f"  kvtier.ssd_path: {ssd_dir}\n  kvtier.ssd_capacity_gb: {ssd_mb / 1024:.9f}\n"
-                    f"  kvtier.eviction_policy: {policy}\n")
 
 
 def report(results: dict[str, dict[str, list[dict[str, float]]]], policies: list[str]) -> None:
@@ -142,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(build(str(work / "model")))
     hf_home = work / "hf"
     hf_cache(model, hf_home)
-    max_len = -(-(args.max_prompt_tokens + args.max_answer_tokens) // PAGE) * PAGE
-    vllm_args = ["--dtype", "float32", "--max-model-len", str(max_len), "--block-size", str(PAGE),
-                 "--num-gpu-blocks-override", str(args.gpu_blocks), "--enforce-eager", "--seed", "0",
-                 "--max-num-seqs", str(max(4, args.concurrency)), "--shutdown-timeout", "10"]
+    vllm_args = vllm_server_args(args, PAGE)
     per_round = unique_chunks(rows, args.block_tokens, CHUNK)
     run_chunks = per_round * args.rounds
     chunk_mb = CHUNK * KV_BYTES_PER_TOKEN / 2**20
@@ -162,14 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for pol in policies:
                 name = f"{pol}-{frac:g}"
-                yaml = work / f"{name}.yaml"
-                server_yaml(yaml, host_mb, work / f"ssd-{name}", args.ssd_mb, pol)
-                kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
-                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                      "kv_connector_extra_config": {"config_file": str(yaml)}}
-                servers[pol] = ServeProcess(name, work, model, free_port(args.port), vllm_args, [
-                    "--kv-transfer-config", json.dumps(kv),
-                    "--scheduler-cls", "kvtier.scheduler_hooks.DualQueueScheduler"])
+                yaml = kvtier_yaml(work / f"{name}.yaml", CHUNK, host_mb, str(work / f"ssd-{name}"), args.ssd_mb,
+                                   lmcache_lines=f"cache_policy: {lmcache_name(pol)}\n",
+                                   kvtier_lines=f"  kvtier.eviction_policy: {pol}\n")
+                servers[pol] = ServeProcess(name, work, model, free_port(args.port), vllm_args,
+                                            kvtier_server_args(yaml))
             deadline = time.monotonic() + 900
             for s in servers.values():
                 s.wait_ready(deadline)
