@@ -284,10 +284,14 @@ def kvtier_yaml(path: Path, chunk: int, host_mb: float, ssd: str, ssd_mb: float,
     return path
 
 
-def kvtier_server_args(yaml: Path) -> list[str]:
-    """`vllm serve` arguments that add kvtier's connector (config `yaml`) and the dual-queue scheduler hook."""
+def kvtier_server_args(yaml: Path, connector: dict[str, Any] | None = None) -> list[str]:
+    """`vllm serve` arguments that add kvtier's connector (config `yaml`; `connector`: its `kvtier.connector`
+    options) and the dual-queue scheduler hook."""
+    extra: dict[str, Any] = {"config_file": str(yaml)}
+    if connector:
+        extra["kvtier.connector"] = connector
     kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector", "kv_role": "kv_both",
-          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"config_file": str(yaml)}}
+          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     return ["--kv-transfer-config", json.dumps(kv), "--scheduler-cls", "kvtier.scheduler_hooks.DualQueueScheduler"]
 
 
@@ -319,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=18060, help="first port to try")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one aiperf run may take")
     p.add_argument("--json", default=None, help="write all summaries here")
+    p.add_argument("--kvtier-connector", type=json.loads, default=None, metavar="JSON",
+                   help='the kvtier server\'s `kvtier.connector` options, e.g. \'{"async_saves": false}\'')
     p.add_argument("--ideal", action=argparse.BooleanOptionalAction, default=True,
                    help="a third server on `reuse`: vLLM alone with a KV cache that holds a whole round")
     args = p.parse_args(argv)
@@ -376,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         servers["base"] = ServeProcess("base", work, model, free_port(args.port), vllm_args)
         servers["kvtier"] = ServeProcess("kvtier", work, model, free_port(args.port), vllm_args,
-                                         kvtier_server_args(yaml))
+                                         kvtier_server_args(yaml, args.kvtier_connector))
         if args.ideal:
             servers["ideal"] = ServeProcess("ideal", work, model, free_port(args.port), ideal_args, env=ideal_env)
         deadline = time.monotonic() + 600
