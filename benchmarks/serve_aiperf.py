@@ -2,7 +2,7 @@
 
     python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf==0.13.0   # its own environment
     .venv/bin/python benchmarks/serve_aiperf.py --aiperf /tmp/aiperf-venv/bin/aiperf [--rounds 3] [--concurrency 4]
-        [--workloads reuse] [--no-ideal] [--json out.json]
+        [--workloads reuse] [--no-ideal] [--json out.json] [--kvtier-connector '{"async_saves": false}']
 
 Servers of the demo model (`kvtier demo-model`: tiny random Llama + the shipped tokenizer) on vLLM's CPU build,
 with identical vLLM settings: `base` (vLLM alone, its own prefix cache of `--gpu-blocks`), `kvtier` (the same plus

@@ -58,6 +58,9 @@ PREFETCH_SHARED_CHUNKS = counter("kvtier_connector_prefetch_shared_chunks_total"
                                  "reading them again")
 LOAD_SECONDS = histogram("kvtier_connector_load_seconds", "Host -> KV cache load of one step", buckets=_LAT)
 SAVE_SECONDS = histogram("kvtier_connector_save_seconds", "KV cache -> host save of one step", buckets=_LAT)
+LOOKUP_SECONDS = histogram("kvtier_connector_lookup_seconds",
+                           "One tier lookup (scheduler -> worker RPC, every rank); the scheduler waits for it",
+                           buckets=_LAT)
 LOAD_BYTES = counter("kvtier_connector_load_bytes_total", "Bytes loaded into vLLM's KV cache")
 SAVE_BYTES = counter("kvtier_connector_save_bytes_total", "Bytes saved from vLLM's KV cache")
 STREAMED_TOKENS = counter("kvtier_connector_ssd_streamed_tokens_total",

@@ -212,6 +212,7 @@ class SchedulerSide:
         # on an idle engine the next step only comes with the next request, and a conversation's next turn must
         # not reach the eviction policies before the answer of the turn it follows.
         sent, self.finished = (self.finished, []) if first else ([], self.finished)
+        t0 = time.monotonic()
         try:
             reps = self.client.call(Lookup(rid=st.rid, tokens=st.key_tokens(tokens), tag=st.tag, pin=pin, first=first,
                                            finished=sent))
@@ -220,6 +221,8 @@ class SchedulerSide:
             self.finished = sent + self.finished  # they go with the next step's metadata instead
             logger.warning("kvtier: lookup failed (%s); treated as a miss", e)
             return LookupResult()
+        finally:
+            M.LOOKUP_SECONDS.observe(time.monotonic() - t0)
         return LookupResult.combine([r.result for r in reps])
 
     def _release(self, rid: str) -> None:

@@ -253,6 +253,8 @@ def test_engine_keeps_stepping_while_a_load_is_held_back(runs):
     m = got["metrics"]
     assert m.get("kvtier_connector_loads_total/mode=async", 0) == c["async_loads"], m
     assert m.get("kvtier_connector_delayed_frees_total", 0) == c["delayed_frees"], m
+    # every lookup RPC the scheduler side made is timed, failed ones included
+    assert c["lookups"] >= 1 and m.get("kvtier_connector_lookup_seconds_count", 0) == c["lookups"], m
     assert got.get("preemptions", 0) >= 1 and m.get("kvtier_connector_preemption_flushes_total", 0) >= 1, m
     assert m.get("kvtier_connector_load_error_blocks_total", 0) == 0
 
