@@ -73,17 +73,19 @@ def python_thread_names(py_spy: str | None, pids: set[int]) -> dict[int, str]:
     return names
 
 
+def series_total(metrics: dict[tuple[str, tuple], float], series: str) -> float:
+    """A /metrics series summed over every label set."""
+    return sum(v for (name, _labels), v in metrics.items() if name == series)
+
+
 def phase_sums(metrics: dict[tuple[str, tuple], float]) -> dict[str, float]:
-    return {ph: sum(v for (name, _labels), v in metrics.items() if name == f"vllm:{ph}_sum") for ph in PHASES}
+    return {ph: series_total(metrics, f"vllm:{ph}_sum") for ph in PHASES}
 
 
 def histogram_sums(metrics: dict[tuple[str, tuple], float]) -> dict[str, tuple[float, float]]:
     """kvtier's histograms of seconds: name -> (sum, count), over all labels."""
-    def total(series: str) -> float:  # over every label set
-        return sum(v for (n, _labels), v in metrics.items() if n == series)
-
-    return {name: (total(f"kvtier_connector_{name}_seconds_sum"), total(f"kvtier_connector_{name}_seconds_count"))
-            for name in KVTIER_SECONDS}
+    return {name: (series_total(metrics, f"kvtier_connector_{name}_seconds_sum"),
+                   series_total(metrics, f"kvtier_connector_{name}_seconds_count")) for name in KVTIER_SECONDS}
 
 
 def run_one(name: str, args: argparse.Namespace, work: Path, model: Path, hf_home: Path, trace: Path) -> None:
@@ -109,8 +111,9 @@ def run_one(name: str, args: argparse.Namespace, work: Path, model: Path, hf_hom
         used = cpu - (c0[key][2] if key in c0 else 0.0)
         if used > 0:
             per[(comm, POOL_SUFFIX.sub("", names.get(key[1], os_name)))] += used
+
     def mean(metric: str) -> float:
-        vals = [r["metrics"][metric]["value"] for r in recs if metric in r.get("metrics", {})]
+        vals = [v for v in (S._metric(r, metric) for r in recs) if v is not None]
         return statistics.fmean(vals) if vals else float("nan")
 
     print(f"\n{name}: {len(recs)} requests in {wall:.1f} s ({len(recs) / wall:.2f} req/s); client means: TTFT "
