@@ -45,12 +45,14 @@ run_suite() {  # id env junit-name pytest-args...
   local id=$1 env=$2 name=$3
   shift 3
   echo "== $id: $(versions "$env")"
+  VLLM_CACHE_ROOT="${KVTIER_VLLM_CACHE:-$HOME/.cache/kvtier/vllm}/$id" \
   KVTIER_EXPECT_COMBINATION="$id" KVTIER_COMPAT_REPORT="$out/$name.json" \
     "$env/bin/pytest" -p no:warnings --junitxml="$out/$name.xml" "$@"
   local rc=$?
   # pytest's 5 (no test collected) stays a failure: a run that proves nothing must not pass
   [ $rc -eq 5 ] && echo "== $id: no test collected" >&2
   rcs[$id]=$rc
+  echo "$rc" > "$out/$id.rc"  # read back from the compat lane, a subshell
 }
 
 tool_env() {  # name pins...: a small cached environment of its own, keyed by its pins; prints its path
@@ -98,32 +100,39 @@ types_rc=$?
 cat "$out/types.txt"
 check_step types "mypy found problems" "$types_rc" "$out/types.txt"
 
-# The other combinations' environments build in the background while the main suite runs (a fresh machine
-# downloads ~25 GB; that is I/O the suite does not wait for). A failed build is retried, and reported, below.
+# Two lanes. The main suite runs in the foreground; the other combinations run beside it, one after another in a
+# second lane: each environment is built (a fresh machine downloads ~25 GB), then its compatibility suite runs.
+# Much of either lane waits on imports, subprocess start-ups and servers that run one compute thread, so on two
+# cores the lanes overlap instead of adding up. The compat lane's tests take their fixed ports shifted
+# (KVTIER_TEST_PORT_SHIFT, kvtier.testing.serve_process.lane_port) so the lanes never meet on a port; each
+# combination keeps its own vLLM cache (VLLM_CACHE_ROOT), since vLLM versions share its file names.
 others=$(for id in $ids; do [ "$id" = "$main_id" ] || echo "$id"; done)
-prebuild_pid=""
+lane_pid=""
 if [ -n "$others" ]; then
-  ( for id in $others; do scripts/env.sh "$id" >/dev/null 2>>"$out/env-builds.log" || true; done ) &
-  prebuild_pid=$!
+  (
+    for id in $others; do
+      env_dir=$(scripts/env.sh "$id" 2>>"$out/env-builds.log") || env_dir=$(scripts/env.sh "$id" 2>>"$out/env-builds.log") || {
+        echo "environment $id failed to build (twice; $out/env-builds.log)"
+        echo 1 > "$out/$id.rc"
+        continue
+      }
+      KVTIER_TEST_PORT_SHIFT=4000 run_suite "$id" "$env_dir" "$id" -m compat
+      if [ "$selection" = full ] && [ "$keep" != 1 ] && ! python3 compat/matrix.py list default | grep -qx "$id"; then
+        scripts/env.sh --remove "$id" >/dev/null
+      fi
+    done
+  ) > "$out/compat-lane.log" 2>&1 &
+  lane_pid=$!
+  echo "== the other combinations ($(echo $others)) build and run beside the main suite; their output follows it"
 fi
 run_suite "$main_id" "$main" main ${args[@]+"${args[@]}"}
-if [ -n "$prebuild_pid" ]; then
-  echo "== waiting for the other environments to finish building"
-  wait "$prebuild_pid"
+if [ -n "$lane_pid" ]; then
+  echo "== waiting for the compatibility lane"
+  wait "$lane_pid"
   grep -v "is ignored: it is neither" "$out/env-builds.log" >&2 || true
+  cat "$out/compat-lane.log"
 fi
-
-for id in $others; do
-  if ! env_dir=$(scripts/env.sh "$id"); then
-    echo "environment $id failed to build" >&2
-    rcs[$id]=1
-    continue
-  fi
-  run_suite "$id" "$env_dir" "$id" -m compat
-  if [ "$selection" = full ] && [ "$keep" != 1 ] && ! python3 compat/matrix.py list default | grep -qx "$id"; then
-    scripts/env.sh --remove "$id"
-  fi
-done
+for id in $others; do rcs[$id]=$(cat "$out/$id.rc" 2>/dev/null || echo 1); done
 
 if [ ${#args[@]} -eq 0 ]; then
   python3 compat/table.py "$out"/*.json > "$out/table.md" || echo "the compatibility table could not be updated" >&2

@@ -34,8 +34,16 @@ SERVER_ENV = {"LMCACHE_TRACK_USAGE": "false", "VLLM_CPU_KVCACHE_SPACE": "1", "HF
 _TAKEN: set[int] = set()  # handed out in this process: a server binds its port only at the end of its start-up
 
 
+def lane_port(port: int) -> int:
+    """`port` moved by `KVTIER_TEST_PORT_SHIFT` (default 0): `scripts/test.sh` runs the compatibility suites beside
+    the main one with a shift, so the fixed ports of two test processes never meet."""
+    return port + int(os.environ.get("KVTIER_TEST_PORT_SHIFT", "0"))
+
+
 def free_port(lo: int = 18040, n: int = 60) -> int:
-    """A port of 127.0.0.1 in [lo, lo + n) that is free now and not handed out before by this process."""
+    """A port of 127.0.0.1 in [lane_port(lo), lane_port(lo) + n) that is free now and not handed out before by
+    this process."""
+    lo = lane_port(lo)
     for port in range(lo, lo + n):
         if port in _TAKEN:
             continue

@@ -331,7 +331,8 @@ def test_scheduler_hook_base_follows_async_scheduling(tmp_path, monkeypatch):
     from kvtier.scheduler_hooks.dual_queue import AsyncDualQueueScheduler, DualQueueScheduler
 
     for async_on in (False, True):
-        vllm_config = vllm_config_from_shipped_json(tmp_path / str(async_on), monkeypatch)
+        # no worker answers this scheduler's lookups: a short RPC timeout makes each a quick miss
+        vllm_config = vllm_config_from_shipped_json(tmp_path / str(async_on), monkeypatch, rpc_timeout_s=0.5)
         # what a GPU deployment resolves to (vLLM's default there); the CPU platform turns it off
         vllm_config.scheduler_config.async_scheduling = async_on
         cfg = kv_cache_config_for(vllm_config, declared_layouts(backend_class(platform_backend()))[0])

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.testing.serve_process import lane_port
+
 pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
@@ -52,7 +54,7 @@ def _cached_chunks(r: dict) -> int:
 
 
 def test_demo_shared_round_robin_writes_all_vs_continuing(tmp_path):
-    stdout, res = _run(tmp_path, "none,shared-all,shared-continuing", 19340)
+    stdout, res = _run(tmp_path, "none,shared-all,shared-continuing", lane_port(19340))
     check_writes(stdout, res)
 
 

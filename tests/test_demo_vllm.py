@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.testing.serve_process import lane_port
+
 pytest.importorskip("vllm")
 pytest.importorskip("matplotlib")
 
@@ -30,8 +32,9 @@ def test_demo_vllm_smallest(tmp_path):
     plot = tmp_path / "demo.png"
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false")
     p = subprocess.run([str(kvtier), "demo-vllm", "--conversations", "2", "--turns", "2", "--plot", str(plot),
-                        "--timeout", "200", "--mp-port", "15571", "--mp-http-port", "18571"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=700)
+                        "--timeout", "200", "--mp-port", str(lane_port(15571)),
+                        "--mp-http-port", str(lane_port(18571))], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=700)
     out = p.stdout
     assert p.returncode == 0, f"rc {p.returncode}\n{out[-6000:]}\n{p.stderr[-3000:]}"
     # per-turn table: kvtier serves history from turn 2 on

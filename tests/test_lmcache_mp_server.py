@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 from kvtier.launch.lmcache_server import MPServer, kvtier_adapter_spec, lmcache_executable
 from kvtier.testing.lmcache_mp import BenchClient
+from kvtier.testing.serve_process import lane_port  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +59,7 @@ def test_lmcache_bench_l2_harness_passes(tmp_path):
 def test_bad_adapter_param_stops_the_server(tmp_path):
     spec = kvtier_adapter_spec(tmp_path / "ssd", 0.01)
     spec["adapter_params"]["io_thread"] = 2
-    srv = MPServer(15511, 18511, [spec], str(tmp_path / "server.log"), start_timeout=120)
+    srv = MPServer(lane_port(15511), lane_port(18511), [spec], str(tmp_path / "server.log"), start_timeout=120)
     with pytest.raises(RuntimeError, match="exited with status") as e:
         srv.start()
     assert "adapter_params.io_thread (did you mean adapter_params.io_threads?)" in str(e.value)
@@ -70,7 +71,8 @@ def test_server_evicts_restarts_and_never_serves_a_flipped_byte(tmp_path):
     spec = kvtier_adapter_spec(ssd, slots * SLOT / (1 << 30), eviction_policy="lru")
     log = str(tmp_path / "server.log")
     # L1: 8 MiB, evicting half of itself above 60% (LMCache checks once a second): 4 sequences of 2 MiB overflow it
-    with MPServer(15512, 18512, [spec], log, l1_gb=8 / 1024, eviction_watermark=0.6, eviction_ratio=0.5) as srv:
+    with MPServer(lane_port(15512), lane_port(18512), [spec], log, l1_gb=8 / 1024, eviction_watermark=0.6,
+                  eviction_ratio=0.5) as srv:
         c = BenchClient(srv)
         try:
             for seq in range(6):  # 6 sequences x 4 chunks = 24 chunks for an SSD tier of 8
@@ -95,7 +97,7 @@ def test_server_evicts_restarts_and_never_serves_a_flipped_byte(tmp_path):
     assert "kvtier L2 adapter closed" in srv.log_tail(), "SIGTERM did not close the adapter"
 
     flipped = _flip_one_byte(ssd, slot=3)
-    with MPServer(15513, 18513, [spec], log, l1_gb=8 / 1024) as srv:  # restarted on the same path
+    with MPServer(lane_port(15513), lane_port(18513), [spec], log, l1_gb=8 / 1024) as srv:  # restarted on the same path
         assert srv.l2_status()["chunks"] == slots
         c = BenchClient(srv)
         try:
@@ -170,8 +172,8 @@ def test_vllm_mp_connector_multi_turn_served_from_kvtier(tmp_path):
 
     chunk = 2 * 2 * 256 * 2 * 32 * 4  # K/V x layers x 256 tokens x kv heads x head dim x fp32
     spec = kvtier_adapter_spec(tmp_path / "ssd", 0.05)
-    with MPServer(15514, 18514, [spec], str(tmp_path / "server.log"), l1_gb=12 * chunk / (1 << 30),
-                  eviction_watermark=0.5, eviction_ratio=0.5) as srv:
+    with MPServer(lane_port(15514), lane_port(18514), [spec], str(tmp_path / "server.log"),
+                  l1_gb=12 * chunk / (1 << 30), eviction_watermark=0.5, eviction_ratio=0.5) as srv:
         kv = {"kv_connector": "LMCacheMPConnector",
               "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": srv.port}}

@@ -20,9 +20,10 @@ pytest.importorskip("redis")
 from kvtier.launch.lmcache_server import MPServer, kvtier_adapter_spec  # noqa: E402
 from kvtier.launch.redis_server import RedisServer, redis_server_binary  # noqa: E402
 from kvtier.testing.lmcache_mp import BenchClient  # noqa: E402
+from kvtier.testing.serve_process import lane_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-REDIS_PORT = 16331
+REDIS_PORT = lane_port(16331)
 
 
 def redis_spec(port: int) -> dict:
@@ -37,8 +38,8 @@ def test_mp_servers_share_through_redis_local_first(tmp_path):
         pytest.skip(str(e))
     with RedisServer(REDIS_PORT, tmp_path / "redis") as redis:
         specs = {n: [kvtier_adapter_spec(tmp_path / f"ssd-{n}", 0.05), redis_spec(REDIS_PORT)] for n in "ab"}
-        with MPServer(16332, 18332, specs["a"], str(tmp_path / "a.log"), l1_gb=16 / 1024) as a, \
-                MPServer(16333, 18333, specs["b"], str(tmp_path / "b.log"), l1_gb=16 / 1024) as b:
+        with MPServer(lane_port(16332), lane_port(18332), specs["a"], str(tmp_path / "a.log"), l1_gb=16 / 1024) as a, \
+                MPServer(lane_port(16333), lane_port(18333), specs["b"], str(tmp_path / "b.log"), l1_gb=16 / 1024) as b:
             ca = BenchClient(a)
             try:
                 assert ca.store(1) == (0, True)

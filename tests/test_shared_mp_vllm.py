@@ -34,10 +34,11 @@ pytest.importorskip("redis")
 
 from kvtier.launch.lmcache_server import MPServer, kvtier_adapter_spec  # noqa: E402
 from kvtier.launch.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.serve_process import lane_port  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, tiny_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-REDIS_PORT = 16411
+REDIS_PORT = lane_port(16411)
 CHUNK = 64
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 32 * 4  # K/V x layers x tokens x kv heads x head dim x fp32
 ANSWER = 16
@@ -85,8 +86,8 @@ def test_mp_mode_turns_across_machines_share_kv_through_redis(tmp_path):
     rng = random.Random(11)
     convs = [[[rng.randrange(1, 1000) for _ in range(n)] for n in TURNS] for _ in range(3)]
     redis = RedisServer(REDIS_PORT, tmp_path / "redis")
-    servers = {n: MPServer(16412 + i, 18412 + i, [kvtier_adapter_spec(tmp_path / f"ssd-{n}", 0.05),
-                                                  redis_spec(REDIS_PORT)],
+    servers = {n: MPServer(lane_port(16412 + i), lane_port(18412 + i),
+                           [kvtier_adapter_spec(tmp_path / f"ssd-{n}", 0.05), redis_spec(REDIS_PORT)],
                            str(tmp_path / f"server-{n}.log"), l1_gb=64 * CHUNK_BYTES / (1 << 30), chunk_size=CHUNK,
                            extra_args=["--l2-prefetch-policy", "retain"], start_timeout=400)
                for i, n in enumerate("ab")}

@@ -25,10 +25,11 @@ from kvtier.storage_backends.lmcache.backend import load_lmcache_config
 from kvtier.storage_backends.lmcache.engine_access import kvtier_plugin
 from kvtier.testing.engine_factory import TINY as SHAPE  # noqa: E402
 from kvtier.testing.engine_factory import random_kv
+from kvtier.testing.serve_process import lane_port  # noqa: E402
 from kvtier.testing.waiting import wait_until  # noqa: E402
 
 CHUNK = 16
-PORT = 16321
+PORT = lane_port(16321)
 
 
 def kv_for(tokens: int, seed: int = 0) -> torch.Tensor:

@@ -27,11 +27,12 @@ pytest.importorskip("redis")
 
 from kvtier.launch.lmcache_yaml import write_lmcache_yaml  # noqa: E402
 from kvtier.launch.redis_server import RedisServer, redis_server_binary  # noqa: E402
+from kvtier.testing.serve_process import lane_port  # noqa: E402
 from kvtier.testing.vllm_engine import EngineProcess, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-REDIS_PORT = 16311
+REDIS_PORT = lane_port(16311)
 CHUNK = 32
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 32 * 4  # K/V x layers x tokens x kv heads x head dim x fp32
 #: kvtier.shared.retry_s of the engines: a store marked down is probed again this long after its last failure
