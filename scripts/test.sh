@@ -103,9 +103,9 @@ check_step types "mypy found problems" "$types_rc" "$out/types.txt"
 # Two lanes. The main suite runs in the foreground; the other combinations run beside it, one after another in a
 # second lane: each environment is built (a fresh machine downloads ~25 GB), then its compatibility suite runs.
 # The main suite leaves about half of two cores idle (imports, subprocess start-ups, one-thread servers); the
-# compat lane runs at nice 19 and its engines on one OpenMP thread, unbound, so it takes that idle time instead of
-# slowing the main suite (at equal priority, its engines and the main suite's two-thread OpenMP engines fought for
-# the cores and both lanes ran slower than one after the other). Its tests take their fixed ports shifted
+# compat lane runs at nice 19 and its engines on one OpenMP thread, unbound, so it takes that idle time and leaves
+# both cores to the main suite's two-thread OpenMP engines when they step (docs/results/2026-12-07-test-command-time.md:
+# the rows cost the whole command 2.2 minutes instead of 13). Its tests take their fixed ports shifted
 # (KVTIER_TEST_PORT_SHIFT, kvtier.testing.serve_process.lane_port) so the lanes never meet on a port; each
 # combination keeps its own vLLM cache (VLLM_CACHE_ROOT), since vLLM versions share its file names.
 others=$(for id in $ids; do [ "$id" = "$main_id" ] || echo "$id"; done)
