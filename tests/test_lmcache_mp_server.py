@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 from kvtier.launch.lmcache_server import MPServer, kvtier_adapter_spec, lmcache_executable
 from kvtier.testing.lmcache_mp import BenchClient
-from kvtier.testing.serve_process import lane_port  # noqa: E402
+from kvtier.testing.serve_process import lane_port
 from kvtier.testing.vllm_engine import EngineProcess, run_conversations, tiny_llama
 
 REPO = Path(__file__).resolve().parent.parent

@@ -50,7 +50,7 @@ HOST_MB, SSD_MB = 8, 64  # the host tier about two rounds: older turns come back
 CHATS, TURNS, WORDS = 6, 3, 80
 START_TIMEOUT_S = 420  # both servers start at once on 2 cores
 KVTIER_LINE = re.compile(r"\] (kvtier|SSD tier at)")
-PORT_LO = int(os.environ.get("KVTIER_TEST_PORT_LO", "18040"))
+PORT_LO = 18040  # free_port shifts it by KVTIER_TEST_PORT_SHIFT (lane_port)
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_LEN), "--block-size", str(PAGE),
              "--num-gpu-blocks-override", str(GPU_BLOCKS), "--enforce-eager", "--seed", "0",
              "--shutdown-timeout", "20", "--enable-prompt-tokens-details"]

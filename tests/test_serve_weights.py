@@ -20,7 +20,6 @@ combination in tests/test_serve_http.py.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import time
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 PAGE, CHUNK = 32, 64
 PROMPT = [random.Random(47).randrange(3, 1000) for _ in range(900)]
 HIT = len(PROMPT) // CHUNK * CHUNK  # 896
-PORT_LO = int(os.environ.get("KVTIER_TEST_PORT_LO", "18040")) + 60
+PORT_LO = 18100  # free_port shifts it by KVTIER_TEST_PORT_SHIFT (lane_port)
 VLLM_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--block-size", str(PAGE), "--num-gpu-blocks-override",
              "34", "--enforce-eager", "--seed", "0", "--shutdown-timeout", "20", "--enable-prompt-tokens-details"]
 
