@@ -176,6 +176,9 @@ class WorkerStorage:
         #: second prefetch of the same chunk waits for that read instead of issuing its own
         self._reading: dict[Any, threading.Event] = {}
         self._cancelled: set[str] = set()
+        #: request -> the chunks its own prefetch put into the host tier: its load reading them is the SSD tier's
+        #: hit, not the host tier's (`after_retrieve` does not report them to the host tier's policy)
+        self._staged: dict[str, set[Any]] = {}
         self._prefetch_pool = ThreadPoolExecutor(max_workers=options.prefetch_concurrency,
                                                  thread_name_prefix="kvtier-prefetch")
 
@@ -247,6 +250,7 @@ class WorkerStorage:
             for key in self._pins.pop(rid, {}):
                 self.host.unpin(key)
             self._prefetch_done.pop(rid, None)
+            self._staged.pop(rid, None)
             if self.shared is not None:
                 self.shared.forget(rid)
             if rid in self._prefetching:
@@ -345,6 +349,7 @@ class WorkerStorage:
                     break
                 self.host.submit_put_task(key, obj)
                 self._pin(rid, key)
+                self._staged.setdefault(rid, set()).add(key)
                 acc[0] += obj.get_size()
                 acc[1] += end - start
             for obj in objs:
@@ -363,7 +368,10 @@ class WorkerStorage:
     def after_retrieve(self, rid: str, tokens: list[int], ret: torch.Tensor, skip: int, tag: str = "") -> None:
         """A load of `rid` retrieved `tokens` (`ret`: which arrived; the first `skip` were not asked for) from the
         host tier. The chunks it read are hits for the host tier's eviction policy (`report_host_hits`: LMCache
-        tells its policy only on its own pinned lookups, which kvtier's connector does not make). LMCache <= 0.5.5
+        tells its policy only on its own pinned lookups, which kvtier's connector does not make), but for those
+        `rid`'s own prefetch staged from the SSD (or shared) tier: the policy heard their put, and reading them
+        is no reuse of host memory (a put then a hit for every SSD hit made recency look like reuse: adaptive
+        followed its LRU expert, docs/results/2026-12-07-replay-engine-gap.md). LMCache <= 0.5.5
         released one pin of each chunk its retrieve returned (`kvtier.compat.lmcache_retrieve_pins`): those are no
         longer this request's to release."""
         try:
@@ -372,7 +380,9 @@ class WorkerStorage:
         except Exception:  # then they are released twice: LMCache logs it and clamps the count at 0
             logger.exception("kvtier: cannot tell which chunks the retrieve of %s read", rid)
             return
-        report_host_hits(self.host, retrieved)
+        with self._lock:
+            staged = set(self._staged.get(rid, ()))  # (`release` forgets them)
+        report_host_hits(self.host, [k for k in retrieved if k not in staged])
         if not self._retrieve_pins.consumes_pins:
             return
         with self._lock:

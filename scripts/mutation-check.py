@@ -629,9 +629,16 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     (
         'host tier: what a load read never reaches the eviction policy',
         'connector/worker_storage.py',
-        '        report_host_hits(self.host, retrieved)\n',
+        '        report_host_hits(self.host, [k for k in retrieved if k not in staged])\n',
         '',
         'tests/test_connector_ssd_stream.py::test_chunks_a_load_read_are_hits_for_the_host_tiers_policy',
+    ),
+    (
+        'host tier: the chunks a request\'s own prefetch staged reported as host hits',
+        'connector/worker_storage.py',
+        '[k for k in retrieved if k not in staged]',
+        'retrieved',
+        'tests/test_connector_ssd_stream.py::test_chunks_a_prefetch_staged_are_no_host_hits_for_its_own_load',
     ),
 ]
 only = sys.argv[1:]

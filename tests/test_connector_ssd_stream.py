@@ -290,6 +290,44 @@ def test_chunks_a_load_read_are_hits_for_the_host_tiers_policy(stored):
         storage.close()
 
 
+def test_chunks_a_prefetch_staged_are_no_host_hits_for_its_own_load(stored):
+    """The chunks a request's own prefetch brought from the SSD tier reach the host tier's policy as puts only:
+    that request's load reading them is the SSD tier's hit, not a reuse of host memory, so the policy hears no hit
+    (LRU order stays the insertion order). Another request's load of the same chunks is a host hit (the previous
+    test); after `release` the request's staged set is gone."""
+    from kvtier.connector.config import ConnectorOptions
+    from kvtier.connector.worker_storage import WorkerStorage
+
+    s = stored
+    storage = WorkerStorage(s["host"], s["ssd"], None, lambda toks, tag="": list(s["eng"].token_database.process_tokens(
+        tokens=torch.tensor(toks))), CHUNK, ConnectorOptions(), lambda **kw: None, lambda: None)
+    host = s["host"]
+    try:
+        tokens = list(range(11, 11 + NCHUNKS * CHUNK))
+        storage.submit_prefetch("r", tokens)
+        for _ in range(600):
+            got = storage.take_results(["r"])
+            if got:
+                break
+            time.sleep(0.05)
+        assert got["r"].ok and len(host.hot_cache) == NCHUNKS, got
+        keys = [k for _, _, k in s["chunks"]]
+        ret = torch.zeros(4 * CHUNK, dtype=torch.bool)
+        ret[CHUNK:3 * CHUNK] = True
+        storage.after_retrieve("r", tokens[:4 * CHUNK], ret, skip=CHUNK)  # r's own load of what r staged
+        storage.release("r")  # (unpinned: every chunk may be a victim)
+        with host.cpu_lock:
+            order = host.cache_policy.get_evict_candidates(host.hot_cache, NCHUNKS)
+        assert order == keys, [keys.index(k) for k in order]
+        storage.after_retrieve("r", tokens[:4 * CHUNK], ret, skip=CHUNK)  # a later load, nothing staged for it
+        with host.cpu_lock:
+            order = host.cache_policy.get_evict_candidates(host.hot_cache, NCHUNKS)
+        assert order == [keys[0], keys[3], keys[4], keys[5], keys[6], keys[2], keys[1]], \
+            [keys.index(k) for k in order]
+    finally:
+        storage.close()
+
+
 def test_a_byte_gone_bad_in_device_memory_is_a_miss(stored):
     """The check runs on what landed in (device) memory, not on what the disk holds: a byte flipped after the
     read (the last one of the chunk, in its last piece) is a miss, and nothing is written into the blocks."""
