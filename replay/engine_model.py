@@ -1,9 +1,11 @@
 """How the host tier of `kvtier replay` and of `kvtier simulate` differs from the engine's (kvtier's connector over
 LMCache's host tier), printed by both commands under their tables so that nobody reads a replay figure as an engine
-figure (issue 50; measured side by side in docs/results/2026-12-07-eviction-in-the-engine.md).
+figure (issue 50; measured side by side in docs/results/2026-12-07-eviction-in-the-engine.md, and one difference at
+a time by `benchmarks/replay_engine_gap.py` with the engine walk, `kvtier.replay.engine_walk`:
+docs/results/2026-12-07-replay-engine-gap.md).
 
-Each difference names what the offline model does, what the engine does, and which way it moves host hits. The
-engine's stream itself can be replayed exactly (`kvtier replay-stream`, `kvtier.record_host_policy`).
+Each difference names what the offline model does and what the engine does. The engine's stream itself can be
+replayed exactly (`kvtier replay-stream`, `kvtier.record_host_policy`).
 """
 
 from __future__ import annotations
@@ -39,11 +41,8 @@ DIFFERENCES: tuple[ModelDifference, ...] = (
         "when their save lands, after the prefill", ("replay",)),
     ModelDifference(
         "SSD hits", "copied into the host tier at once, without a hit",
-        "prefetched into the host tier (a put), then read by the load (a hit); with device reads (kvikio) not "
-        "staged at all", ("replay",)),
-    ModelDifference(
-        "prefetched blocks", "read by the load without a hit (inserted when they land)",
-        "inserted when they land (a put), then read by the load: a hit", ("simulate",)),
+        "prefetched into the host tier (a put) before the load, whose read of them is no hit; with device reads "
+        "(kvikio) not staged at all", ("replay",)),
     ModelDifference(
         "prefix rule", "every block looked up, also past a miss",
         "the walk stops at the first chunk in no tier; what follows is computed", ("replay",)),
@@ -63,7 +62,8 @@ def differences(tool: Tool) -> list[ModelDifference]:
 def format_differences(tool: Tool) -> str:
     """The printed note: one line per difference that applies to `tool`."""
     lines = [f"how this {tool}'s host tier differs from the engine's (replay the engine's own stream exactly: "
-             "kvtier.record_host_policy + `kvtier replay-stream`):"]
+             "kvtier.record_host_policy + `kvtier replay-stream`; each difference's effect on host hits: "
+             "benchmarks/replay_engine_gap.py):"]
     for d in differences(tool):
         lines.append(f"  - {d.aspect}: {tool} {d.offline}; engine: {d.engine}")
     return "\n".join(lines)

@@ -640,6 +640,27 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         'retrieved',
         'tests/test_connector_ssd_stream.py::test_chunks_a_prefetch_staged_are_no_host_hits_for_its_own_load',
     ),
+    (
+        'engine walk: a chunk staged from SSD reported as a host hit',
+        'replay/engine_walk.py',
+        '            if k in host and k not in staged:\n',
+        '            if k in host:\n',
+        'tests/test_engine_walk.py',
+    ),
+    (
+        "engine walk: vLLM's free queue takes a finished prefix's head first",
+        'replay/gpu_prefix_cache.py',
+        '        for p in reversed(run.pages):\n',
+        '        for p in run.pages:\n',
+        'tests/test_engine_walk.py',
+    ),
+    (
+        "engine walk: vLLM's prefix cache reuses the prompt's last token",
+        'replay/gpu_prefix_cache.py',
+        '        limit = (prompt_tokens - 1) // self.page_tokens\n',
+        '        limit = prompt_tokens // self.page_tokens\n',
+        'tests/test_engine_walk.py',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu",
