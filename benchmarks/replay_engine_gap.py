@@ -1,7 +1,7 @@
 """Where `kvtier replay` and the engine part on host hits (issue 50): the serve eviction benchmark's requests
 replayed offline, the engine's differences switched on one at a time (`kvtier.replay.engine_walk`).
 
-    .venv/bin/python benchmarks/replay_engine_gap.py [--engine-json evict.json] [--json gap.json]
+    .venv/bin/python benchmarks/replay_engine_gap.py [--engine-json evict.json ...] [--json gap.json]
 
 The requests are `benchmarks/serve_eviction.py`'s (the shipped conversations scaled as `serve_aiperf.scale` does:
 one 512-token trace block = 32 tokens), the sizes its host tiers (fractions of the run's unique chunks, three
@@ -53,18 +53,17 @@ def blocks_step(rows: list[dict[str, Any]], policy: str, frac: float, rounds: in
     return 100 * replay_one(reqs, policy, Capacity(f"{frac * rounds:g}", cap, cap / uniq)).hit_rate
 
 
-def engine_figures(path: str | None) -> dict[tuple[float, str], list[float]]:
-    """{(fraction, policy): host hit percent per round} from serve_eviction.py's --json."""
-    if path is None:
-        return {}
-    doc = json.loads(Path(path).read_text())
-    prompt = None
+def engine_figures(paths: list[str]) -> dict[tuple[float, str], list[float]]:
+    """{(fraction, policy): host hit percent per round} from serve_eviction.py's --json files (a later file's
+    size and policy replaces an earlier one's)."""
     out: dict[tuple[float, str], list[float]] = {}
-    fracs = [float(x) for x in str(doc["args"]["host_fractions"]).split(",") if x.strip()]
-    for frac, by in zip(fracs, doc["results"].values()):
-        for pol, runs in by.items():
-            prompt = prompt or _prompt_tokens(doc)
-            out[(frac, pol)] = [100 * r["kvtier_host"] / prompt for r in runs]
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        prompt = _prompt_tokens(doc)
+        fracs = [float(x) for x in str(doc["args"]["host_fractions"]).split(",") if x.strip()]
+        for frac, by in zip(fracs, doc["results"].values(), strict=True):
+            for pol, runs in by.items():
+                out[(frac, pol)] = [100 * r["kvtier_host"] / prompt for r in runs]
     return out
 
 
@@ -87,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-answer-tokens", type=int, default=24)
     p.add_argument("--gpu-blocks", type=int, default=160,
                    help="vLLM's KV cache, in 32-token pages (one is vLLM's null page)")
-    p.add_argument("--engine-json", default=None, help="serve_eviction.py's --json, for the engine's figures")
+    p.add_argument("--engine-json", action="append", default=[],
+                   help="serve_eviction.py's --json, for the engine's figures (repeat to merge runs of other sizes)")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)
     rows, held = scale(read_trace(args.trace), args.block_tokens, args.max_prompt_tokens, args.max_answer_tokens)
