@@ -11,9 +11,10 @@ can be modelled offline, switched on in steps (`Step`), so that each one's effec
   (`runner.simulate`, the same function).
 - `gpu`: vLLM's prefix cache in front (`GpuPrefixCache`): the host tier is looked up only past what the GPU holds.
 - `engine`: the connector's calls, through the same `HostPolicyCalls` object the engine's host tier uses: the
-  lookup walks chunks until the first in neither tier; chunks in the SSD tier past the host run are staged into the
-  host tier (a `put`) before the load; the load reports the chunks it read as hits, last chunk first, but for
-  those its own prefetch staged (`WorkerStorage.after_retrieve`); the save puts
+  lookup walks chunks from the prompt's first until the first in neither tier; when that reaches past the GPU's
+  hit and the host run, the prefetch stages every chunk only the SSD tier holds into the host tier (a `put`), those
+  under the GPU's hit too; the load reports the chunks it read as hits, last chunk first, but for those its own
+  prefetch staged (`WorkerStorage.after_retrieve`); the save puts
   the chunks past the lookup's hit after the prefill; pins keep a request's chunks from eviction while it loads.
 - `concurrency`: requests overlap as under aiperf's fixed concurrency: up to `concurrency` hold their GPU pages at
   once, and a request's answer-length signal arrives when it leaves.
@@ -22,7 +23,8 @@ Not modelled (named by `engine_model`): the order in which overlapping requests'
 interleave in time, and the scheduler's load plans (a load the plan recomputes).
 
 Host hit tokens count as the connector's `kvtier_connector_hit_tokens_total{tier="host"}` does: tokens past the
-GPU's hit, up to the prompt's last token, in chunks the host tier held at the lookup.
+GPU's hit, up to the prompt's last token, less those of the SSD-only chunks, which the connector counts as one run
+right past the host run (`scheduler_side`: `disk = overlap(gpu, end, prefetch_from, prefetch_from + ssd_tokens)`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class RoundHits:
     gpu: int = 0
     host: int = 0
     ssd: int = 0
+    staged: int = 0  #: chunks prefetches read from the SSD tier into the host tier (`engine` steps)
+    staged_under_gpu: int = 0  #: of those, chunks wholly under the GPU's hit: read for nothing
 
 
 def _chunk_keys(turn: Turn, rnd: int, shape: EngineShape) -> list[Hashable]:
@@ -219,11 +223,14 @@ def _lookup_and_load(keys, t: Turn, g: int, shape: EngineShape, calls: HostPolic
     """The connector's lookup, prefetch and load for one request; returns the chunks of its hit (the save starts
     past them)."""
     c = shape.chunk_tokens
-    host_run = 0
+    host_run = 0  # the lookup walks from the prompt's first chunk, whatever the GPU holds
     while host_run < len(keys) and keys[host_run] in host:
         host_run += 1
     found = host_run
+    ssd_only: list[Hashable] = []
     while found < len(keys) and (keys[found] in host or keys[found] in ssd):
+        if keys[found] not in host:
+            ssd_only.append(keys[found])
         found += 1
     end = min(found * c, t.prompt_tokens - 1)
     if end <= g:
@@ -232,13 +239,17 @@ def _lookup_and_load(keys, t: Turn, g: int, shape: EngineShape, calls: HostPolic
     try:
         first = g // c
         staged = set()
-        if found > max(host_run, first):  # the prefetch stages what lies past the host run
-            for k in keys[max(host_run, first):found]:
-                if k not in host:
-                    staged.add(k)
+        if found * c > max(g, host_run * c) and ssd_only:
+            # the prefetch reads every chunk only the SSD tier holds, from the first (those the GPU holds too)
+            for k in ssd_only:
+                staged.add(k)
                 put(k)
-        hits.host += _overlap(g, end, 0, host_run * c)
-        hits.ssd += _overlap(g, end, host_run * c, found * c)
+                hits.staged += 1
+                hits.staged_under_gpu += keys.index(k) < first
+        # the connector's count: the SSD tokens as one run right past the host run
+        disk = _overlap(g, end, host_run * c, (host_run + len(ssd_only)) * c)
+        hits.ssd += disk
+        hits.host += end - g - disk
         last = -(-end // c)
         for k in reversed(keys[first:last]):  # the load's report: last chunk first, not what it staged
             if k in host and k not in staged:

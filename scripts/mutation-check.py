@@ -661,6 +661,13 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
         '        limit = prompt_tokens // self.page_tokens\n',
         'tests/test_engine_walk.py',
     ),
+    (
+        "engine walk: host chunks past an SSD gap counted as SSD hits (not as the connector counts them)",
+        'replay/engine_walk.py',
+        '        disk = _overlap(g, end, host_run * c, (host_run + len(ssd_only)) * c)\n',
+        '        disk = _overlap(g, end, host_run * c, found * c)\n',
+        'tests/test_engine_walk.py',
+    ),
 ]
 only = sys.argv[1:]
 env = dict(os.environ, LMCACHE_TRACK_USAGE="false", VLLM_TARGET_DEVICE="cpu",

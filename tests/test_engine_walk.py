@@ -135,3 +135,29 @@ def test_a_chunk_staged_from_ssd_is_a_put_not_a_hit(monkeypatch):
     assert r.gpu == 0 and r.host == 128 and r.ssd == 0
     calls = spies[0].calls
     assert calls[-3:] == [("hit", k[1]), ("hit", k[0]), ("insert", k[2])]  # last chunk first, then the save
+
+
+def test_host_chunks_past_an_ssd_gap_count_as_host_as_the_connector_counts_them(monkeypatch):
+    """A host run broken at its first chunk (only the SSD tier holds it) sends the request to the prefetch; the
+    connector counts the SSD-only tokens as one run right past the host run, so the host-resident chunks past the gap
+    are host hits, reported last chunk first; the prefetch's put of the gap chunk finds every other chunk pinned and
+    stores nothing, and the resident chunks get no put."""
+    spies: list[_Spy] = []
+
+    def build(name, clock, capacity, **kw):
+        spy = _Spy(clock=clock)
+        spy.set_capacity(capacity)
+        spies.append(spy)
+        return spy
+
+    monkeypatch.setattr(ew, "build_policy", build)
+    first = ew.Turn(0.0, (1, 2, 3, 4, 5, 6), 192, 2)  # 3 chunks; a 2-chunk host tier keeps the last two
+    filler = ew.Turn(1.0, (9, 8), 60, 224)  # no whole chunk (no save), but every GPU page
+    again = ew.Turn(2.0, (1, 2, 3, 4, 5, 6, 7, 8), 256, 2)
+    shape = ew.EngineShape(2, gpu_pages=9, rounds=1)
+    (r,) = ew.walk([first, filler, again], "lru", shape, "engine")
+    k = [(0, (1, 2, 3, 4, 5, 6, 7, 8)[:2 * (i + 1)]) for i in range(4)]
+    assert (r.gpu, r.host, r.ssd) == (0, 128, 64)
+    assert (r.staged, r.staged_under_gpu) == (1, 0)
+    calls = spies[0].calls
+    assert calls[-3:] == [("hit", k[2]), ("hit", k[1]), ("insert", k[3])]
