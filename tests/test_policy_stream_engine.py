@@ -69,9 +69,9 @@ def check_stream(kvtier: Path, env: dict[str, str], work: Path, policy: str) -> 
           f"{res.offline_misses}, {res.evictions} evictions, {res.signals} signals")
     assert res.victims > 0, res.report()  # the host tier was small enough to evict
     assert res.engine_hits > 0 and res.signals > 0, res.report()
-    # the chunks loads read from the host tier reached the policy as hits (kvtier's connector reports them: LMCache
-    # tells its policy only on its own pinned lookups, which the connector does not make)
-    assert sum(r["op"] == "hit" for r in records) > 0, res.report()
+    # No `hit` calls are expected here: this host tier (24 chunks) is smaller than vLLM's prefix cache (40 chunks'
+    # worth), so every chunk a load read from it was staged by the request's own prefetch, which is the SSD tier's
+    # hit and not reported to the policy (the report itself: tests/test_connector_ssd_stream.py, both ways).
     assert res.first_divergence is None, res.report()
     assert (res.offline_hits, res.offline_misses) == (res.engine_hits, res.engine_misses), res.report()
     # the command says the same
