@@ -34,6 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtier.connector.scheduler_state import overlap
 from kvtier.replay.gpu_prefix_cache import GpuPrefixCache
 from kvtier.replay.runner import ReplayClock, build_policy, simulate
 from kvtier.replay.traces import TraceRequest
@@ -171,12 +172,13 @@ def _engine_walk(turns, policy, shape, level: int, policy_kwargs) -> list[RoundH
             keys = _chunk_keys(t, rnd, shape)
             hits.prompt_tokens += t.prompt_tokens
             calls.on_request(keys, clock.now)
-            g = gpu.hit_tokens(_page_keys(t, rnd, shape), t.prompt_tokens)
+            pages = _page_keys(t, rnd, shape)
+            g = gpu.hit_tokens(pages, t.prompt_tokens)
             if engine:
                 h = _lookup_and_load(keys, t, g, shape, calls, host, ssd, pinned, put, hits)
             else:
                 h = _walk_every_chunk(keys, t, g, shape, calls, host, ssd, put, hits)
-            gpu.start(rid, _page_keys(t, rnd, shape), t.prompt_tokens, t.prompt_tokens + t.answer_tokens)
+            gpu.start(rid, pages, t.prompt_tokens, t.prompt_tokens + t.answer_tokens)
             hits.gpu += g
             for k in keys[h:]:  # the save: the chunks past the lookup's hit
                 put(k)
@@ -191,10 +193,6 @@ def _engine_walk(turns, policy, shape, level: int, policy_kwargs) -> list[RoundH
     return out
 
 
-def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
-    return max(0, min(a1, b1) - max(a0, b0))
-
-
 def _walk_every_chunk(keys, t: Turn, g: int, shape: EngineShape, calls: HostPolicyCalls, host: set, ssd: set,
                       put: Callable[[Hashable], None], hits: RoundHits) -> int:
     """The replay's walk past the GPU's hit: each chunk past it accessed head first (a host hit, else an SSD hit
@@ -206,7 +204,7 @@ def _walk_every_chunk(keys, t: Turn, g: int, shape: EngineShape, calls: HostPoli
         if k not in host and k not in ssd:
             break
         found = i + 1
-        span = _overlap(i * c, (i + 1) * c, g, end)
+        span = overlap(i * c, (i + 1) * c, g, end)
         if not span:
             continue
         if k in host:
@@ -227,10 +225,10 @@ def _lookup_and_load(keys, t: Turn, g: int, shape: EngineShape, calls: HostPolic
     while host_run < len(keys) and keys[host_run] in host:
         host_run += 1
     found = host_run
-    ssd_only: list[Hashable] = []
+    ssd_only: list[int] = []  # positions of the chunks only the SSD tier holds
     while found < len(keys) and (keys[found] in host or keys[found] in ssd):
         if keys[found] not in host:
-            ssd_only.append(keys[found])
+            ssd_only.append(found)
         found += 1
     end = min(found * c, t.prompt_tokens - 1)
     if end <= g:
@@ -238,16 +236,16 @@ def _lookup_and_load(keys, t: Turn, g: int, shape: EngineShape, calls: HostPolic
     pinned.update(keys[:found])
     try:
         first = g // c
-        staged = set()
+        staged: set[Hashable] = set()
         if found * c > max(g, host_run * c) and ssd_only:
             # the prefetch reads every chunk only the SSD tier holds, from the first (those the GPU holds too)
-            for k in ssd_only:
-                staged.add(k)
-                put(k)
-                hits.staged += 1
-                hits.staged_under_gpu += keys.index(k) < first
+            staged = {keys[i] for i in ssd_only}
+            for i in ssd_only:
+                put(keys[i])
+            hits.staged += len(ssd_only)
+            hits.staged_under_gpu += sum(i < first for i in ssd_only)
         # the connector's count: the SSD tokens as one run right past the host run
-        disk = _overlap(g, end, host_run * c, (host_run + len(ssd_only)) * c)
+        disk = overlap(g, end, host_run * c, (host_run + len(ssd_only)) * c)
         hits.ssd += disk
         hits.host += end - g - disk
         last = -(-end // c)

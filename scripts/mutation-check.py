@@ -664,8 +664,8 @@ MUTS = [  # (name, file, exact snippet, its replacement, tests that must fail)
     (
         "engine walk: host chunks past an SSD gap counted as SSD hits (not as the connector counts them)",
         'replay/engine_walk.py',
-        '        disk = _overlap(g, end, host_run * c, (host_run + len(ssd_only)) * c)\n',
-        '        disk = _overlap(g, end, host_run * c, found * c)\n',
+        '        disk = overlap(g, end, host_run * c, (host_run + len(ssd_only)) * c)\n',
+        '        disk = overlap(g, end, host_run * c, found * c)\n',
         'tests/test_engine_walk.py',
     ),
 ]
