@@ -222,27 +222,36 @@ def test_device_reads_refuse_another_models_chunks(device_reads):
     assert same(blocks_of(dst, 0, NBLOCKS * BLOCK), blocks_of(paged(10), 0, NBLOCKS * BLOCK))
 
 
+def worker_storage(s: dict, on_progress=lambda: None, **kw):
+    """A WorkerStorage over the `stored` fixture's host and SSD tiers, keyed as its engine keys tokens."""
+    from kvtier.connector.config import ConnectorOptions
+    from kvtier.connector.worker_storage import WorkerStorage
+
+    return WorkerStorage(s["host"], s["ssd"], None, lambda toks, tag="": list(s["eng"].token_database.process_tokens(
+        tokens=torch.tensor(toks))), CHUNK, ConnectorOptions(), lambda **kw: None, on_progress, **kw)
+
+
+def prefetched(storage, rid: str, tokens: list[int]):
+    """Submit `rid`'s prefetch of `tokens` and wait (30 s at most) for its result."""
+    storage.submit_prefetch(rid, tokens)
+    for _ in range(600):
+        got = storage.take_results([rid])
+        if got:
+            return got[rid]
+        time.sleep(0.05)
+    raise AssertionError(f"the prefetch of {rid} did not end within 30 s")
+
+
 @pytest.mark.parametrize("direct", [False, True])
 def test_prefetch_leaves_ssd_chunks_to_a_device_stream(stored, direct):
     """With device reads the prefetch stages no SSD chunk in the host pool (the load's stream reads them into
     device memory); without, it brings them into the host tier, pinned for the request."""
-    from kvtier.connector.config import ConnectorOptions
-    from kvtier.connector.worker_storage import WorkerStorage
-
     s = stored
     done = []
-    storage = WorkerStorage(s["host"], s["ssd"], None, lambda toks, tag="": list(s["eng"].token_database.process_tokens(
-        tokens=torch.tensor(toks))), CHUNK, ConnectorOptions(), lambda **kw: None, lambda: done.append(1),
-        direct_ssd=direct)
+    storage = worker_storage(s, lambda: done.append(1), direct_ssd=direct)
     try:
         tokens = list(range(11, 11 + NCHUNKS * CHUNK))
-        storage.submit_prefetch("r", tokens)
-        for _ in range(600):
-            got = storage.take_results(["r"])
-            if got:
-                break
-            time.sleep(0.05)
-        res = got["r"]
+        res = prefetched(storage, "r", tokens)
         assert res.ok, res
         if direct:
             assert res.tokens == 0 and res.nbytes == 0 and len(s["host"].hot_cache) == 0
@@ -260,21 +269,12 @@ def test_chunks_a_load_read_are_hits_for_the_host_tiers_policy(stored):
     YAML's default), as LMCache's own pinned lookups do: afterwards its victims are the chunks no load read, oldest
     first, then the read ones, their prefix's head last. Without the report (kvtier pins and reads through calls
     that never reach the policy) the host tier evicts in insertion order: chunk 0 first."""
-    from kvtier.connector.config import ConnectorOptions
-    from kvtier.connector.worker_storage import WorkerStorage
-
     s = stored
-    storage = WorkerStorage(s["host"], s["ssd"], None, lambda toks, tag="": list(s["eng"].token_database.process_tokens(
-        tokens=torch.tensor(toks))), CHUNK, ConnectorOptions(), lambda **kw: None, lambda: None)
+    storage = worker_storage(s)
     try:
         tokens = list(range(11, 11 + NCHUNKS * CHUNK))
-        storage.submit_prefetch("r", tokens)  # the 7 chunks into the host tier, in order
-        for _ in range(600):
-            got = storage.take_results(["r"])
-            if got:
-                break
-            time.sleep(0.05)
-        assert got["r"].ok and len(s["host"].hot_cache) == NCHUNKS, got
+        res = prefetched(storage, "r", tokens)  # the 7 chunks into the host tier, in order
+        assert res.ok and len(s["host"].hot_cache) == NCHUNKS, res
         storage.release("r")
         keys = [k for _, _, k in s["chunks"]]
         # a load of the first 4 chunks' tokens that asked for chunks 1..3 (chunk 0 was in the GPU) and got 1..2
@@ -295,22 +295,13 @@ def test_chunks_a_prefetch_staged_are_no_host_hits_for_its_own_load(stored):
     that request's load reading them is the SSD tier's hit, not a reuse of host memory, so the policy hears no hit
     (LRU order stays the insertion order). Another request's load of the same chunks is a host hit (the previous
     test); after `release` the request's staged set is gone."""
-    from kvtier.connector.config import ConnectorOptions
-    from kvtier.connector.worker_storage import WorkerStorage
-
     s = stored
-    storage = WorkerStorage(s["host"], s["ssd"], None, lambda toks, tag="": list(s["eng"].token_database.process_tokens(
-        tokens=torch.tensor(toks))), CHUNK, ConnectorOptions(), lambda **kw: None, lambda: None)
+    storage = worker_storage(s)
     host = s["host"]
     try:
         tokens = list(range(11, 11 + NCHUNKS * CHUNK))
-        storage.submit_prefetch("r", tokens)
-        for _ in range(600):
-            got = storage.take_results(["r"])
-            if got:
-                break
-            time.sleep(0.05)
-        assert got["r"].ok and len(host.hot_cache) == NCHUNKS, got
+        res = prefetched(storage, "r", tokens)
+        assert res.ok and len(host.hot_cache) == NCHUNKS, res
         keys = [k for _, _, k in s["chunks"]]
         ret = torch.zeros(4 * CHUNK, dtype=torch.bool)
         ret[CHUNK:3 * CHUNK] = True

@@ -105,19 +105,25 @@ class _Spy(LRUPolicy):
         super().on_access(key)
 
 
-def test_a_chunk_staged_from_ssd_is_a_put_not_a_hit(monkeypatch):
-    """The engine step: a follow-up turn whose history the host tier lost is staged from the SSD tier (a put of
-    each chunk) and its load reports no hit for them (`WorkerStorage.after_retrieve`); a chunk the host tier
-    still held is reported, last chunk first."""
-    spies: list[_Spy] = []
+@pytest.fixture
+def spies(monkeypatch) -> list[_Spy]:
+    """The walk's host policies, each an LRU `_Spy` (one per walk, in order)."""
+    made: list[_Spy] = []
 
     def build(name, clock, capacity, **kw):
         spy = _Spy(clock=clock)
         spy.set_capacity(capacity)
-        spies.append(spy)
+        made.append(spy)
         return spy
 
     monkeypatch.setattr(ew, "build_policy", build)
+    return made
+
+
+def test_a_chunk_staged_from_ssd_is_a_put_not_a_hit(spies):
+    """The engine step: a follow-up turn whose history the host tier lost is staged from the SSD tier (a put of
+    each chunk) and its load reports no hit for them (`WorkerStorage.after_retrieve`); a chunk the host tier
+    still held is reported, last chunk first."""
     first = ew.Turn(0.0, (1, 2, 3, 4, 5), 160, 2)  # chunks (1,2) and (1,2,3,4)
     other = ew.Turn(1.0, (9, 8, 7, 6, 5, 4), 192, 2)  # 3 chunks of its own: a 2-chunk host tier drops turn 1's
     again = ew.Turn(2.0, (1, 2, 3, 4, 5, 6), 192, 2)  # turn 1's history again
@@ -137,20 +143,11 @@ def test_a_chunk_staged_from_ssd_is_a_put_not_a_hit(monkeypatch):
     assert calls[-3:] == [("hit", k[1]), ("hit", k[0]), ("insert", k[2])]  # last chunk first, then the save
 
 
-def test_host_chunks_past_an_ssd_gap_count_as_host_as_the_connector_counts_them(monkeypatch):
+def test_host_chunks_past_an_ssd_gap_count_as_host_as_the_connector_counts_them(spies):
     """A host run broken at its first chunk (only the SSD tier holds it) sends the request to the prefetch; the
     connector counts the SSD-only tokens as one run right past the host run, so the host-resident chunks past the gap
     are host hits, reported last chunk first; the prefetch's put of the gap chunk finds every other chunk pinned and
     stores nothing, and the resident chunks get no put."""
-    spies: list[_Spy] = []
-
-    def build(name, clock, capacity, **kw):
-        spy = _Spy(clock=clock)
-        spy.set_capacity(capacity)
-        spies.append(spy)
-        return spy
-
-    monkeypatch.setattr(ew, "build_policy", build)
     first = ew.Turn(0.0, (1, 2, 3, 4, 5, 6), 192, 2)  # 3 chunks; a 2-chunk host tier keeps the last two
     filler = ew.Turn(1.0, (9, 8), 60, 224)  # no whole chunk (no save), but every GPU page
     again = ew.Turn(2.0, (1, 2, 3, 4, 5, 6, 7, 8), 256, 2)
