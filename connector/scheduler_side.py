@@ -63,11 +63,12 @@ from kvtier.connector.rpc import Flush, Lookup, Release, RPCClient, RPCError, St
 from kvtier.connector.scheduler_accounting import LostHitFeed
 from kvtier.connector.scheduler_admission import WriteAdmission
 from kvtier.connector.scheduler_prefetch import PrefetchQueue
-from kvtier.connector.scheduler_state import ComputingChunks, FixedPlan, RequestState, SaveJobs, overlap
+from kvtier.connector.scheduler_state import ComputingChunks, FixedPlan, RequestState, SaveJobs
 from kvtier.identity.request import RequestIdentity
 from kvtier.scheduler_hooks.base import SchedulingPolicy
 from kvtier.scheduler_hooks.hint_derivation import derive_tier_hint
 from kvtier.scheduler_hooks.load_plan import LoadAction, LoadPlanner, PlanContext
+from kvtier.scheduler_hooks.prefix_walk import overlap
 from kvtier.scheduler_hooks.tier_hint import TierHint
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from kvtier.scheduler_hooks.hint_derivation import count_inflight
 from kvtier.scheduler_hooks.load_plan import LoadPlan
 from kvtier.storage_backends.admission.base import Decision
 
-__all__ = ["ComputingChunks", "FixedPlan", "RequestState", "SaveJobs", "overlap", "prefix_chunk_keys"]
+__all__ = ["ComputingChunks", "FixedPlan", "RequestState", "SaveJobs", "prefix_chunk_keys"]
 
 
 @dataclass
@@ -191,8 +191,3 @@ class SaveJobs:
 
     def holding(self) -> bool:
         return bool(self._held)
-
-
-def overlap(a0: int, a1: int, b0: int, b1: int) -> int:
-    """Tokens the ranges [a0, a1) and [b0, b1) share."""
-    return max(0, min(a1, b1) - max(a0, b0))

@@ -34,10 +34,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvtier.connector.scheduler_state import overlap
 from kvtier.replay.gpu_prefix_cache import GpuPrefixCache
 from kvtier.replay.runner import ReplayClock, build_policy, simulate
 from kvtier.replay.traces import TraceRequest
+from kvtier.scheduler_hooks.prefix_walk import overlap
 from kvtier.storage_backends.eviction.host_calls import BUSY, EVICTABLE, GONE, HostPolicyCalls
 
 Step = Literal["chunks", "gpu", "engine", "concurrency"]

@@ -28,6 +28,7 @@ __all__ = [
     "PrefixResidency",
     "PrefixWalk",
     "Residency",
+    "overlap",
     "walk_chunks",
     "walk_prefix",
 ]
@@ -81,6 +82,11 @@ class PrefixWalk:
 
     residency: Residency
     stop: int | None
+
+
+def overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    """Tokens the ranges [a0, a1) and [b0, b1) share."""
+    return max(0, min(a1, b1) - max(a0, b0))
 
 
 def walk_chunks(chunks: Iterable[Chunk], locate: Callable[[Chunk, bool], tuple[str | None, int, int]]
