@@ -3,6 +3,7 @@
     python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf==0.13.0   # its own environment
     .venv/bin/python benchmarks/serve_aiperf.py --aiperf /tmp/aiperf-venv/bin/aiperf [--rounds 3] [--concurrency 4]
         [--workloads reuse] [--no-ideal] [--json out.json] [--kvtier-connector '{"async_saves": false}']
+        [--ssd-admission all|continuing|second-sight|none]
 
 Servers of the demo model (`kvtier demo-model`: tiny random Llama + the shipped tokenizer) on vLLM's CPU build,
 with identical vLLM settings: `base` (vLLM alone, its own prefix cache of `--gpu-blocks`), `kvtier` (the same plus
@@ -185,7 +186,10 @@ def _metric(rec: dict[str, Any], name: str) -> float | None:
 
 
 def summarize(records: list[dict[str, Any]], follow: list[bool]) -> dict[str, float]:
-    """TTFT (ms) stats overall / follow-up turns / first turns, requests/s and output tokens/s."""
+    """TTFT (ms) stats overall / follow-up turns / first turns, requests/s and output tokens/s, and the client's
+    side of the load: requests in flight on average over the run (at most the concurrency) and the mean time from
+    aiperf's credit (a free slot) to the request's start (ms): a client that shares the cores with the server
+    starts requests late when the server takes more of them."""
     recs = []
     for rec in records:  # aiperf's mooncake_trace loader makes row i the conversation "session_<i>"
         md = rec.get("metadata") or {}
@@ -193,7 +197,7 @@ def summarize(records: list[dict[str, Any]], follow: list[bool]) -> dict[str, fl
         idx = int(conv.rsplit("_", 1)[1]) if conv.rsplit("_", 1)[-1].isdigit() else md.get("session_num")
         recs.append((idx, rec, md))
     ttft = {"all": [], "follow": [], "first": []}
-    starts, ends, out_tokens, errors = [], [], 0, 0
+    starts, ends, out_tokens, errors, lags = [], [], 0, 0, []
     for i, (idx, rec, md) in enumerate(recs):
         if rec.get("error"):
             errors += 1
@@ -208,10 +212,15 @@ def summarize(records: list[dict[str, Any]], follow: list[bool]) -> dict[str, fl
         out_tokens += int(_metric(rec, "usage_completion_tokens") or _metric(rec, "output_sequence_length") or 0)
         starts.append(int(md.get("request_start_ns", 0)))
         ends.append(int(md.get("request_end_ns", 0)))
+        if md.get("credit_issued_ns") is not None:
+            lags.append((int(md["request_start_ns"]) - int(md["credit_issued_ns"])) / 1e6)
     wall = (max(ends) - min(starts)) / 1e9 if starts else float("nan")
+    busy = sum(e - s for s, e in zip(starts, ends)) / 1e9  # request-seconds in flight
     out: dict[str, float] = {"requests": len(ttft["all"]), "errors": errors, "wall_s": wall,
                              "req_per_s": len(ttft["all"]) / wall if wall else float("nan"),
-                             "out_tok_per_s": out_tokens / wall if wall else float("nan")}
+                             "out_tok_per_s": out_tokens / wall if wall else float("nan"),
+                             "in_flight": busy / wall if wall else float("nan"),
+                             "credit_to_start_ms": statistics.mean(lags) if lags else float("nan")}
     for k, xs in ttft.items():
         out[f"ttft_{k}_mean"] = statistics.mean(xs) if xs else float("nan")
         out[f"ttft_{k}_p50"] = quantile(xs, 0.5)
@@ -229,6 +238,7 @@ def engine_steps(before: Snapshot, after: Snapshot) -> dict[str, float]:
     return {"steps": _delta(before, after, steps, (("kind", "all"),)),
             "idle_steps": _delta(before, after, steps, (("kind", "idle"),)),
             "steps_during_async_loads": during, "async_loads": loads,
+            "delayed_frees": _delta(before, after, "kvtier_connector_delayed_frees_total"),
             "steps_per_async_load": during / loads if loads else float("nan")}
 
 
@@ -241,7 +251,9 @@ def vllm_hits(before: Snapshot, after: Snapshot) -> dict[str, float]:
     and found by the connector (external: kvtier's host and SSD tiers)."""
     return {"hit_queried": _delta(before, after, "vllm:prefix_cache_queries_total"),
             "hit_prefix": _delta(before, after, "vllm:prefix_cache_hits_total"),
-            "hit_external": _delta(before, after, "vllm:external_prefix_cache_hits_total")}
+            "hit_external": _delta(before, after, "vllm:external_prefix_cache_hits_total"),
+            "preemptions": _delta(before, after, "vllm:num_preemptions_total"),
+            "vllm_steps": _delta(before, after, "vllm:iteration_tokens_total_count")}
 
 
 def kvtier_hits(before: Snapshot, after: Snapshot) -> dict[str, float]:
@@ -251,6 +263,8 @@ def kvtier_hits(before: Snapshot, after: Snapshot) -> dict[str, float]:
     hits, lost = "kvtier_connector_hit_tokens_total", "kvtier_connector_lost_hit_tokens_total"
     out = {f"kvtier_{t}": _delta(before, after, hits, (("tier", t),)) for t in TIERS}
     out["ideal_hit"] = _delta(before, after, "kvtier_connector_ideal_hit_tokens_total")
+    out["ssd_written_bytes"] = _delta(before, after, "kvtier_ssd_written_bytes_total")
+    out["ssd_hits"] = _delta(before, after, "kvtier_ssd_hits_total")
     out["beyond_ideal"] = _delta(before, after, "kvtier_connector_beyond_ideal_hit_tokens_total")
     seen = {dict(labels).get("reason", "") for name, labels in after if name == lost}
     for reason in [*LOST_REASONS, *sorted(seen - set(LOST_REASONS) - {""})]:
@@ -325,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write all summaries here")
     p.add_argument("--kvtier-connector", type=json.loads, default=None, metavar="JSON",
                    help='the kvtier server\'s `kvtier.connector` options, e.g. \'{"async_saves": false}\'')
+    p.add_argument("--ssd-admission", default=None, choices=("all", "continuing", "second-sight", "none"),
+                   help="the kvtier server's `kvtier.ssd_admission.policy` (default: kvtier's, `all`)")
     p.add_argument("--ideal", action=argparse.BooleanOptionalAction, default=True,
                    help="a third server on `reuse`: vLLM alone with a KV cache that holds a whole round")
     args = p.parse_args(argv)
@@ -349,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_cache(model, hf_home)
     page, chunk = 32, 64
     ssd = args.ssd_path or str(work / "ssd")
-    yaml = kvtier_yaml(work / "lmcache-kvtier.yaml", chunk, args.host_mb, ssd, args.ssd_mb)
+    admission = f"  kvtier.ssd_admission:\n    policy: {args.ssd_admission}\n" if args.ssd_admission else ""
+    yaml = kvtier_yaml(work / "lmcache-kvtier.yaml", chunk, args.host_mb, ssd, args.ssd_mb, kvtier_lines=admission)
     vllm_args = vllm_server_args(args, page)
     n_follow = sum(follow)
     n_ideal = ideal_blocks(reuse, args.block_tokens, page, args.concurrency)
@@ -365,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.concurrency}, streaming completions, {args.rounds} round(s)")
     print(f"  base and kvtier: demo model, vLLM CPU, {args.gpu_blocks} x {page}-token KV blocks "
           f"({args.gpu_blocks * page} tokens, {args.gpu_blocks * page * KV_BYTES_PER_TOKEN / 2**20:.0f} MiB), "
-          f"prefix caching on; kvtier: host tier {args.host_mb:g} MiB, SSD tier {args.ssd_mb:g} MiB at {ssd}")
+          f"prefix caching on; kvtier: host tier {args.host_mb:g} MiB, SSD tier {args.ssd_mb:g} MiB at {ssd}, SSD "
+          f"write admission {args.ssd_admission or 'all (default)'}")
     if args.ideal:
         print(f"  ideal server (reuse only): vLLM alone, the same settings but {n_ideal} KV blocks "
               f"({n_ideal * page} tokens, {ideal_bytes / 2**20:.0f} MiB): one round's distinct prefixes, answers and "
@@ -400,12 +418,14 @@ def main(argv: list[str] | None = None) -> int:
                                                      follow, args, 1000 + rnd, hf_home))
                     r = results[wl][name][-1]
                     steps = (f", {r['async_loads']:.0f} async loads, {r['steps_per_async_load']:.1f} steps during "
-                             f"each, {r['idle_steps']:.0f} idle steps of {r['steps']:.0f}") if name == "kvtier" else ""
+                             f"each, {r['idle_steps']:.0f} idle steps of {r['steps']:.0f}, {r['delayed_frees']:.0f} "
+                             "delayed frees") if name == "kvtier" else ""
                     print(f"  round {rnd + 1} {wl:<8} {name:<6}: {r['requests']:.0f} requests ({r['errors']:.0f} "
                           f"errors) in {r['wall_s']:.0f} s, TTFT follow-up mean {r['ttft_follow_mean']:.0f} ms, p99 "
                           f"{r['ttft_follow_p99']:.0f} ms, {r['req_per_s']:.2f} req/s, prefix-cache hits "
                           f"{r['hit_prefix']:.0f} + external {r['hit_external']:.0f} of {r['hit_queried']:.0f} "
-                          f"tokens{steps} [{r['bench_s']:.0f} s]", flush=True)
+                          f"tokens, {r['vllm_steps']:.0f} engine steps, {r['preemptions']:.0f} preemptions{steps} "
+                          f"[{r['bench_s']:.0f} s]", flush=True)
         final = servers["kvtier"].metrics()
     finally:
         for s in servers.values():

@@ -64,12 +64,13 @@ def report(results: Results, reusable: int | None = None) -> None:
         keys = [("ttft_follow_mean", "TTFT follow mean"), ("ttft_follow_p50", "TTFT follow p50"),
                 ("ttft_follow_p99", "TTFT follow p99"), ("ttft_first_mean", "TTFT first mean"),
                 ("ttft_all_mean", "TTFT all mean"), ("ttft_all_p50", "TTFT all p50"),
-                ("ttft_all_p99", "TTFT all p99"), ("req_per_s", "requests/s"), ("out_tok_per_s", "output tok/s")]
+                ("ttft_all_p99", "TTFT all p99"), ("req_per_s", "requests/s"), ("out_tok_per_s", "output tok/s"),
+                ("in_flight", "client in flight"), ("credit_to_start_ms", "client start lag")]
         for k, label in keys:
             if wl == "no-reuse" and k.startswith("ttft_follow"):
                 continue
             b, t = med(by["base"], k), med(by["kvtier"], k)
-            speed = k.startswith("ttft")
+            speed = k.startswith("ttft") or k == "credit_to_start_ms"  # lower is better: base / kvtier
             ratio = _ratio(b, t) if speed else _ratio(t, b)
             rounds = [_ratio(x[k], y[k]) if speed else _ratio(y[k], x[k]) for x, y in zip(by["base"], by["kvtier"])]
             paired = statistics.median(rounds) if rounds else float("nan")
@@ -92,7 +93,9 @@ def report(results: Results, reusable: int | None = None) -> None:
                 verdicts.append(f"throughput without reuse {paired:.2f}x of vLLM alone, target >= 0.97x: "
                                 f"{'PASS' if paired >= 0.97 else 'miss'}")
         print("(ratio: of base's and kvtier's medians; med/rnd: median of the per-round ratios; TTFT base/kvtier = "
-              "kvtier's speed-up; throughput kvtier/base)")
+              "kvtier's speed-up; throughput kvtier/base; client in flight: aiperf's requests in flight, mean over "
+              "the run, kvtier/base; client start lag: ms from aiperf's credit to the request's start, base/kvtier)")
+        engine_table(by)
         if ideal:
             verdicts.append(share_table(by))
             hit_table(by, reusable)
@@ -101,6 +104,25 @@ def report(results: Results, reusable: int | None = None) -> None:
           f"load average {os.getloadavg()[0]:.1f} at the end):")
     for v in verdicts:
         print(f"  {v}")
+
+
+def engine_table(by: dict[str, Runs]) -> None:
+    """Per round: each server's engine steps and preemptions (vLLM's /metrics), kvtier's delayed block frees (a
+    finished request's blocks held until its save is done) and what its SSD tier wrote, per SSD hit."""
+    print("\nengine steps and SSD writes per round (/metrics deltas)")
+    head = (f"{'round':<7}{'base steps':>11}{'kvtier steps':>13}{'preempted':>15}{'delayed frees':>14}"
+            f"{'SSD MiB written':>16}{'SSD hits':>9}{'MiB per hit':>12}")
+    print(head)
+    print("-" * len(head))
+    for rnd, (b, t) in enumerate(zip(by["base"], by["kvtier"])):
+        written, hits = t.get("ssd_written_bytes", 0.0) / 2**20, t.get("ssd_hits", 0.0)
+        per_hit = f"{written / hits:.2f}" if hits else "n/a"
+        preempted = f"{b.get('preemptions', 0.0):.0f} / {t.get('preemptions', 0.0):.0f}"
+        print(f"{rnd + 1:<7}{b.get('vllm_steps', 0.0):>11.0f}{t.get('vllm_steps', 0.0):>13.0f}{preempted:>15}"
+              f"{t.get('delayed_frees', 0.0):>14.0f}{written:>16.1f}{hits:>9.0f}{per_hit:>12}")
+    print("(steps: vllm:iteration_tokens_total's count; preempted: base / kvtier, vllm:num_preemptions_total; "
+          "delayed frees: kvtier_connector_delayed_frees_total; SSD: kvtier_ssd_written_bytes_total and "
+          "kvtier_ssd_hits_total, hits in chunks)")
 
 
 def shares(by: dict[str, Runs], key: str) -> list[float]:
@@ -132,7 +154,7 @@ def hit_table(by: dict[str, Runs], reusable: int | None) -> None:
     """Prompt tokens per server and round from /metrics deltas: vLLM's queried and prefix-cache hit tokens, its
     external (connector) hits, and kvtier's own split by tier; `reusable` beside them (the ideal server's bound)."""
     print("\nhit tokens per round (/metrics deltas around each server's aiperf run)")
-    head = (f"{'round':<7}{'server':<8}{'queried':>9}{'vLLM hits':>11}{'external':>10}"
+    head = (f"{'round':<7}{'server':<8}{'queried':>9}{'vLLM hits':>11}{'external':>10}{'preempted':>10}"
             + "".join(f"{t:>8}" for t in TIERS))
     print(head)
     print("-" * len(head))
@@ -144,9 +166,10 @@ def hit_table(by: dict[str, Runs], reusable: int | None) -> None:
             r = runs[rnd]
             tiers = "".join(f"{r.get(f'kvtier_{t}', 0.0):>8.0f}" for t in TIERS) if name == "kvtier" else ""
             print(f"{rnd + 1:<7}{name:<8}{r.get('hit_queried', 0.0):>9.0f}{r.get('hit_prefix', 0.0):>11.0f}"
-                  f"{r.get('hit_external', 0.0):>10.0f}{tiers}")
+                  f"{r.get('hit_external', 0.0):>10.0f}{r.get('preemptions', 0.0):>10.0f}{tiers}")
     print("(queried: prompt tokens vLLM looked up; vLLM hits: its prefix cache (GPU); external: kvtier's host/SSD "
-          "loads; tiers: kvtier_connector_hit_tokens_total, gpu = vLLM's prefix cache as kvtier saw it)")
+          "loads; preempted: vllm:num_preemptions_total; tiers: kvtier_connector_hit_tokens_total, gpu = vLLM's prefix "
+          "cache as kvtier saw it)")
     if reusable is not None:
         print(f"(at most {reusable} tokens of a round can hit, requests one at a time and nothing evicted: the "
               "ideal server's hits are this less the turns that arrived before their previous turn was done)")

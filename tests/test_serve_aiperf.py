@@ -88,12 +88,16 @@ def test_hit_deltas(bench: tuple[ModuleType, ModuleType]) -> None:
              ("kvtier_connector_hit_tokens_total", (("tier", "host"),)): 74.0,
              ("kvtier_connector_ideal_hit_tokens_total", ()): 200.0,
              ("kvtier_connector_lost_hit_tokens_total", (("reason", "evicted"),)): 32.0,
-             ("kvtier_connector_lost_hit_tokens_total", (("reason", "other"),)): 5.0}
-    assert aiperf.vllm_hits(before, after) == {"hit_queried": 300.0, "hit_prefix": 60.0, "hit_external": 64.0}
+             ("kvtier_connector_lost_hit_tokens_total", (("reason", "other"),)): 5.0,
+             ("vllm:num_preemptions_total", ()): 2.0, ("vllm:iteration_tokens_total_count", ()): 90.0,
+             ("kvtier_ssd_written_bytes_total", ()): 4096.0, ("kvtier_ssd_hits_total", ()): 3.0}
+    before[("vllm:iteration_tokens_total_count", ())] = 30.0
+    assert aiperf.vllm_hits(before, after) == {"hit_queried": 300.0, "hit_prefix": 60.0, "hit_external": 64.0,
+                                               "preemptions": 2.0, "vllm_steps": 60.0}
     k = aiperf.kvtier_hits(before, after)
     assert k["kvtier_host"] == 64.0 and k["kvtier_ssd"] == 0.0 and k["ideal_hit"] == 200.0
     assert k["lost_evicted"] == 32.0 and k["lost_not_saved"] == 0.0 and k["lost_other"] == 5.0
-    assert k["beyond_ideal"] == 0.0
+    assert k["beyond_ideal"] == 0.0 and k["ssd_written_bytes"] == 4096.0 and k["ssd_hits"] == 3.0
     # a server without the lost-hit counters: zeros, no failure
     assert not any(aiperf.kvtier_hits({}, {}).values())
 
@@ -113,3 +117,35 @@ def test_reusable_tokens(bench: tuple[ModuleType, ModuleType]) -> None:
             {"hash_ids": [5], "input_length": 20}]  # nothing
     assert reusable(rows, 32, 32) == 32 + 96 + 64
     assert reusable([], 32, 32) == 0
+
+
+def test_engine_table_prints_written_bytes_per_ssd_hit(bench: tuple[ModuleType, ModuleType],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    report = bench[1]
+    base = [{"vllm_steps": 100.0, "preemptions": 0.0}, {"vllm_steps": 110.0, "preemptions": 1.0}]
+    kvtier = [{"vllm_steps": 120.0, "preemptions": 2.0, "delayed_frees": 7.0, "ssd_written_bytes": 6 * 2**20,
+               "ssd_hits": 4.0},
+              {"vllm_steps": 130.0, "preemptions": 0.0, "delayed_frees": 0.0, "ssd_written_bytes": 2**20,
+               "ssd_hits": 0.0}]
+    report.engine_table({"base": base, "kvtier": kvtier})
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isdigit()]
+    assert rows[0] == ["1", "100", "120", "0", "/", "2", "7", "6.0", "4", "1.50"]
+    assert rows[1] == ["2", "110", "130", "1", "/", "0", "0", "1.0", "0", "n/a"]
+
+
+def test_summary_counts_requests_in_flight_and_the_clients_start_lag(bench: tuple[ModuleType, ModuleType]) -> None:
+    aiperf = bench[0]
+
+    def rec(conv: int, credit: float, start: float, end: float) -> dict:
+        ns = 1_000_000_000
+        return {"metadata": {"conversation_id": f"session_{conv}", "credit_issued_ns": int(credit * ns),
+                             "request_start_ns": int(start * ns), "request_end_ns": int(end * ns)},
+                "metrics": {"time_to_first_token": {"value": 10.0}, "usage_completion_tokens": {"value": 4}}}
+
+    # two slots: [0, 4] and [0, 2] then [2.5, 4]: 7.5 request-seconds over a 4-second run
+    out = aiperf.summarize([rec(0, 0.0, 0.0, 4.0), rec(1, 0.0, 0.0, 2.0), rec(2, 2.0, 2.5, 4.0)],
+                           [False, False, True])
+    assert out["wall_s"] == pytest.approx(4.0) and out["req_per_s"] == pytest.approx(0.75)
+    assert out["in_flight"] == pytest.approx(7.5 / 4.0)
+    assert out["credit_to_start_ms"] == pytest.approx(500.0 / 3)
+    assert out["n_follow"] == 1 and out["out_tok_per_s"] == pytest.approx(3.0)
