@@ -43,10 +43,6 @@ def check_versions() -> tuple[str, str]:
     return str(result.installed.vllm), str(result.installed.lmcache)
 
 
-#: the synchronous load budget in tokens when the model's KV bytes per token are unknown
-UNKNOWN_KV_SYNC_TOKENS = 1024
-
-
 @dataclass(frozen=True)
 class ConnectorOptions:
     """`kv_connector_extra_config["kvtier.connector"]`: the connector's own knobs."""
@@ -61,14 +57,10 @@ class ConnectorOptions:
     prefetch_timeout_s: float = 120.0
     #: saves (GPU -> host tier) run off the engine step on the worker's transfer thread; false: inside the step
     async_saves: bool = True
-    #: KV bytes (MiB) that may load inside one engine step, before its forward pass (one request's load fits whole
-    #: or not at all); the other loads run off the step (the request waits in WAITING_FOR_REMOTE_KVS while the
-    #: others keep running, at least one step longer). The stall a load adds to the step grows with its bytes, not
-    #: its tokens: 128 MiB is 1024 tokens of Llama-3-8B (the budget measured with benchmarks/host_loads.py), about
-    #: 5 ms at 25 GB/s host->GPU. 0: every load off the step
-    sync_load_budget_mb: float = 128.0
-    #: the same budget in tokens; when set it replaces `sync_load_budget_mb` (0: every load off the step)
-    sync_load_budget_tokens: int | None = None
+    #: tokens that may load inside one engine step, before its forward pass (one request's load fits whole or
+    #: not at all); the other loads run off the step (the request waits in WAITING_FOR_REMOTE_KVS while the others
+    #: keep running). 0: every load off the step. Default 1024: measured (benchmarks/host_loads.py, README)
+    sync_load_budget_tokens: int = 1024
     #: an engine step with nothing to compute while kvtier work is in flight (asynchronous loads, prefetches,
     #: saves that hold blocks) waits up to this long on the worker for one of them to end, with the GIL released,
     #: instead of returning at once: the engine does not spin past a transfer thread that needs the GIL. Bounds
@@ -109,27 +101,11 @@ class ConnectorOptions:
             raise ConfigError(f"{CONNECTOR_KEY}.async_saves must be true or false, got {out.async_saves!r}")
         for name in ("sync_load_budget_tokens", "ssd_stream_chunks"):
             v = getattr(out, name)
-            if name == "sync_load_budget_tokens" and v is None:
-                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"{CONNECTOR_KEY}.{name} must be an integer >= 0, got {v!r}" + (
                     " (0: every load off the engine step; a huge value: every load inside it)"
                     if name == "sync_load_budget_tokens" else ""))
-        mb = out.sync_load_budget_mb
-        if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb >= 0:
-            raise ConfigError(f"{CONNECTOR_KEY}.sync_load_budget_mb must be a number >= 0 (MiB of KV per engine "
-                              f"step; 0: every load off the step), got {mb!r}")
         return out
-
-    def sync_load_budget(self, kv_bytes_per_token: int | None) -> int:
-        """The tokens that may load inside one engine step: `sync_load_budget_tokens` when set, else
-        `sync_load_budget_mb` of this model's KV (`kv_bytes_per_token`; unknown: 1024 tokens, the budget of a
-        Llama-3-8B-sized model)."""
-        if self.sync_load_budget_tokens is not None:
-            return self.sync_load_budget_tokens
-        if not kv_bytes_per_token:
-            return UNKNOWN_KV_SYNC_TOKENS
-        return int(self.sync_load_budget_mb * 2**20 // kv_bytes_per_token)
 
 
 @dataclass

@@ -7,7 +7,7 @@
   `next_prefetch` when kvtier's dual-queue scheduler hands its policy over, else a local `DiskHRRNQueue`).
 - `get_num_new_matched_tokens` answers `None` while the request's SSD data is being prefetched (the request waits
   without GPU blocks; others run), then the host-resident prefix (chunk-aligned) beyond vLLM's own cache hit:
-  `(n, False)` (loaded inside the step, before its forward pass) while the step's budget (`sync_load_budget_mb`) has
+  `(n, False)` (loaded inside the step, before its forward pass) while the step's `sync_load_budget_tokens` has
   room for it, else `(n, True)` (the request waits in WAITING_FOR_REMOTE_KVS holding its blocks while the worker
   loads it off the step). SSD chunks the prefetch found no host room for extend the match too: the load streams
   them from the SSD tier (`LoadSpec.stream_from`, always off the step), so the host tier's free room never caps
@@ -67,7 +67,6 @@ from kvtier.connector.scheduler_state import ComputingChunks, FixedPlan, Request
 from kvtier.identity.request import RequestIdentity
 from kvtier.scheduler_hooks.base import SchedulingPolicy
 from kvtier.scheduler_hooks.hint_derivation import derive_tier_hint
-from kvtier.scheduler_hooks.kv_cache_size import kv_bytes_per_token
 from kvtier.scheduler_hooks.load_plan import LoadAction, LoadPlanner, PlanContext
 from kvtier.scheduler_hooks.prefix_walk import overlap
 from kvtier.scheduler_hooks.tier_hint import TierHint
@@ -76,10 +75,8 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, cfg: ConnectorConfig, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: Any, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
-        self.sync_budget_tokens = cfg.options.sync_load_budget(kv_bytes_per_token(kv_cache_config))  # per step
-        logger.info("kvtier: loads of up to %d tokens per engine step run inside the step", self.sync_budget_tokens)
         self.chunk = cfg.chunk_size
         self.block_size = int(vllm_config.cache_config.block_size)
         world = int(vllm_config.parallel_config.world_size)
@@ -351,7 +348,7 @@ class SchedulerSide:
         st.sources = {"host": ext - disk - remote, "disk": disk, "remote": remote}
         # Loads that fit in the step's synchronous budget run inside the step; the others (and every load that
         # reads the SSD tier) off it.
-        sync = stream_from is None and ext <= self.sync_budget_tokens - self._sync_budget_used
+        sync = stream_from is None and ext <= self.cfg.options.sync_load_budget_tokens - self._sync_budget_used
         if sync:
             self._sync_budget_used += ext
         st.async_answer = not sync

@@ -51,9 +51,6 @@ def test_valid_config_is_page_first_with_inline_overrides(lmcache_yaml, tmp_path
     ({"kvtier.connector": {"kv_layout": "weird"}}, "kv_layout"),
     ({"kvtier.connector": {"idle_wait_ms": -1}}, "kvtier.connector.idle_wait_ms must be a number >= 0"),
     ({"kvtier.connector": {"idle_wait_ms": "20"}}, "kvtier.connector.idle_wait_ms must be a number >= 0"),
-    ({"kvtier.connector": {"sync_load_budget_mb": -1}}, "kvtier.connector.sync_load_budget_mb must be a number >= 0"),
-    ({"kvtier.connector": {"sync_load_budget_mb": "128"}}, "kvtier.connector.sync_load_budget_mb must be a number"),
-    ({"kvtier.connector": {"sync_load_budget_tokens": 1.5}}, "sync_load_budget_tokens must be an integer >= 0"),
     ({"lmcache_config": "x"}, "unknown key(s) lmcache_config"),
     # kvtier.scheduler is checked by the connector too (an engine without the scheduler hook would ignore it)
     ({"kvtier.scheduler": {"ready_ordr": "hrrn"}}, "kvtier.scheduler: unknown key(s) ready_ordr"),
@@ -65,34 +62,6 @@ def test_bad_settings_name_the_key(lmcache_yaml, extra, needle):
     with pytest.raises(ConfigError) as e:
         C.load_connector_config({**base, **extra}, block_size=32)
     assert needle in str(e.value)
-
-
-def test_sync_load_budget_is_bytes_of_the_models_kv_unless_tokens_are_set():
-    """The budget of loads inside an engine step is MiB of KV: 128 MiB is 1024 tokens of Llama-3-8B (128 KiB of KV
-    per token, the budget measured on it) and 32,768 tokens of the demo model (4 KiB per token)."""
-    default = C.ConnectorOptions()
-    assert default.sync_load_budget(131_072) == 1024
-    assert default.sync_load_budget(4096) == 32_768
-    assert default.sync_load_budget(None) == C.UNKNOWN_KV_SYNC_TOKENS == 1024  # an engine that does not say
-    assert C.ConnectorOptions(sync_load_budget_mb=0).sync_load_budget(4096) == 0  # every load off the step
-    assert C.ConnectorOptions(sync_load_budget_mb=1.5).sync_load_budget(4096) == 384
-    # tokens, when set, replace the bytes (0: every load off the step)
-    assert C.ConnectorOptions(sync_load_budget_tokens=0).sync_load_budget(4096) == 0
-    assert C.ConnectorOptions(sync_load_budget_tokens=700, sync_load_budget_mb=1).sync_load_budget(131_072) == 700
-
-
-def test_kv_bytes_per_token_reads_every_layer_of_every_group():
-    from types import SimpleNamespace as NS
-
-    from kvtier.scheduler_hooks.kv_cache_size import kv_bytes_per_token
-
-    spec = NS(page_size_bytes=32 * 4096 // 2, block_size=32)  # one layer's page: 2 KiB per token
-    cfg = NS(kv_cache_groups=[NS(layer_names=["l0", "l1"], kv_cache_spec=spec),
-                              NS(layer_names=["l2"], kv_cache_spec=spec)])
-    assert kv_bytes_per_token(cfg) == 3 * 2048
-    assert kv_bytes_per_token(None) is None
-    assert kv_bytes_per_token(NS(kv_cache_groups=[])) is None  # says nothing
-    assert kv_bytes_per_token(NS()) is None
 
 
 def test_unwritable_ssd_path_and_missing_plugin_are_start_errors(lmcache_yaml, tmp_path):
