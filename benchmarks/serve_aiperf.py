@@ -188,8 +188,8 @@ def _metric(rec: dict[str, Any], name: str) -> float | None:
 def summarize(records: list[dict[str, Any]], follow: list[bool]) -> dict[str, float]:
     """TTFT (ms) stats overall / follow-up turns / first turns, requests/s and output tokens/s, and the client's
     side of the load: requests in flight on average over the run (at most the concurrency) and the mean time from
-    aiperf's credit (a free slot) to the request's start (ms): a client that shares the cores with the server
-    starts requests late when the server takes more of them."""
+    aiperf's credit (a free slot) to the request's start (ms); here the client shares the cores with the servers,
+    so these say whether it kept the load it was asked for."""
     recs = []
     for rec in records:  # aiperf's mooncake_trace loader makes row i the conversation "session_<i>"
         md = rec.get("metadata") or {}
