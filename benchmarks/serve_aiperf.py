@@ -251,15 +251,20 @@ def vllm_hits(before: Snapshot, after: Snapshot) -> dict[str, float]:
     and found by the connector (external: kvtier's host and SSD tiers)."""
     return {"hit_queried": _delta(before, after, "vllm:prefix_cache_queries_total"),
             "hit_prefix": _delta(before, after, "vllm:prefix_cache_hits_total"),
-            "hit_external": _delta(before, after, "vllm:external_prefix_cache_hits_total"),
-            "preemptions": _delta(before, after, "vllm:num_preemptions_total"),
+            "hit_external": _delta(before, after, "vllm:external_prefix_cache_hits_total")}
+
+
+def vllm_engine(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """A server's engine between two /metrics snapshots: vLLM's steps (`vllm:iteration_tokens_total`'s count) and
+    preemptions."""
+    return {"preemptions": _delta(before, after, "vllm:num_preemptions_total"),
             "vllm_steps": _delta(before, after, "vllm:iteration_tokens_total_count")}
 
 
 def kvtier_hits(before: Snapshot, after: Snapshot) -> dict[str, float]:
     """kvtier's hit tokens by tier between two /metrics snapshots, and its lost-hit accounting where the server
     has it (zeros otherwise): the tokens an unbounded prefix cache would have reused, those lost by reason, and
-    those reused beyond it."""
+    those reused beyond it; and what its SSD tier wrote (bytes) against its SSD hits (chunks)."""
     hits, lost = "kvtier_connector_hit_tokens_total", "kvtier_connector_lost_hit_tokens_total"
     out = {f"kvtier_{t}": _delta(before, after, hits, (("tier", t),)) for t in TIERS}
     out["ideal_hit"] = _delta(before, after, "kvtier_connector_ideal_hit_tokens_total")
@@ -457,6 +462,7 @@ def measure(servers: dict[str, ServeProcess], name: str, trace: Path, out: Path,
     res = summarize(run_aiperf(args.aiperf, srv, trace, out, args, seed, hf_home), follow)
     after = srv.metrics()
     res.update(vllm_hits(before, after))
+    res.update(vllm_engine(before, after))
     if name == "kvtier":
         res.update(engine_steps(before, after))
         res.update(kvtier_hits(before, after))

@@ -2,8 +2,8 @@
 gain against the `ideal` server, hit tokens per server and round, kvtier's lost-hit breakdown, and the verdicts.
 
 `results[workload][server]` is one summary per round (`serve_aiperf.summarize` plus the /metrics deltas of
-`serve_aiperf.vllm_hits` / `kvtier_hits`); servers are `base` (vLLM alone), `kvtier` and, on `reuse` only,
-`ideal` (vLLM alone with a KV cache that holds a whole round).
+`serve_aiperf.vllm_hits` / `vllm_engine` / `engine_steps` / `kvtier_hits`); servers are `base` (vLLM alone),
+`kvtier` and, on `reuse` only, `ideal` (vLLM alone with a KV cache that holds a whole round).
 """
 
 from __future__ import annotations

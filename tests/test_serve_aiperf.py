@@ -92,8 +92,8 @@ def test_hit_deltas(bench: tuple[ModuleType, ModuleType]) -> None:
              ("vllm:num_preemptions_total", ()): 2.0, ("vllm:iteration_tokens_total_count", ()): 90.0,
              ("kvtier_ssd_written_bytes_total", ()): 4096.0, ("kvtier_ssd_hits_total", ()): 3.0}
     before[("vllm:iteration_tokens_total_count", ())] = 30.0
-    assert aiperf.vllm_hits(before, after) == {"hit_queried": 300.0, "hit_prefix": 60.0, "hit_external": 64.0,
-                                               "preemptions": 2.0, "vllm_steps": 60.0}
+    assert aiperf.vllm_hits(before, after) == {"hit_queried": 300.0, "hit_prefix": 60.0, "hit_external": 64.0}
+    assert aiperf.vllm_engine(before, after) == {"preemptions": 2.0, "vllm_steps": 60.0}
     k = aiperf.kvtier_hits(before, after)
     assert k["kvtier_host"] == 64.0 and k["kvtier_ssd"] == 0.0 and k["ideal_hit"] == 200.0
     assert k["lost_evicted"] == 32.0 and k["lost_not_saved"] == 0.0 and k["lost_other"] == 5.0
