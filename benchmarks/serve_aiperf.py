@@ -3,14 +3,16 @@
     python3 -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf==0.13.0   # its own environment
     .venv/bin/python benchmarks/serve_aiperf.py --aiperf /tmp/aiperf-venv/bin/aiperf [--rounds 3] [--concurrency 4]
         [--workloads reuse] [--no-ideal] [--json out.json] [--kvtier-connector '{"async_saves": false}']
-        [--ssd-admission all|continuing|second-sight|none]
+        [--ssd-admission all|continuing|second-sight|none] [--kvtier-variant 'NAME={"sync_load_budget_tokens": 0}']
 
 Servers of the demo model (`kvtier demo-model`: tiny random Llama + the shipped tokenizer) on vLLM's CPU build,
 with identical vLLM settings: `base` (vLLM alone, its own prefix cache of `--gpu-blocks`), `kvtier` (the same plus
 kvtier's connector and `--scheduler-cls kvtier.scheduler_hooks.DualQueueScheduler`) and, unless `--no-ideal`,
 `ideal` (vLLM alone with a KV cache that holds every request of one round: `ideal_blocks`, printed with its MiB;
-the log's KV cache size is checked). All run at the same time but only one is loaded at a time; per round, each
-workload runs on each server, in an order that rotates by one each round (`--workloads` picks the workloads):
+the log's KV cache size is checked), plus one kvtier server per `--kvtier-variant NAME=JSON` (`kvtier-NAME`: other
+connector options, its own SSD tier; reported against the same rounds' base and ideal runs). All run at the same
+time but only one is loaded at a time; per round, each workload runs on each server, in an order that rotates by one
+each round (`--workloads` picks the workloads):
 
 - `reuse`: the shipped Mooncake conversation trace (`demo_data/mooncake_conversation_sessions.jsonl`, 60 whole
   conversations) replayed by aiperf's `mooncake_trace` loader at a fixed concurrency (equal load), with one
@@ -291,6 +293,16 @@ def run_order(names: list[str], rnd: int, workload: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- servers
+def variant(text: str) -> tuple[str, dict[str, Any]]:
+    """`--kvtier-variant NAME=JSON` -> (NAME, the JSON object)."""
+    name, sep, raw = text.partition("=")
+    opts = json.loads(raw) if sep else None
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_]*", name) or not isinstance(opts, dict):
+        raise argparse.ArgumentTypeError(f"expected NAME=JSON (NAME: lower-case letters, digits, _; JSON: an object), "
+                                         f"got {text!r}")
+    return name, opts
+
+
 def kvtier_yaml(path: Path, chunk: int, host_mb: float, ssd: str, ssd_mb: float, lmcache_lines: str = "",
                 kvtier_lines: str = "") -> Path:
     """The LMCache YAML of a kvtier server (host tier `host_mb`, SSD tier `ssd_mb` at `ssd`); `lmcache_lines` /
@@ -342,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=18060, help="first port to try")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one aiperf run may take")
     p.add_argument("--json", default=None, help="write all summaries here")
+    p.add_argument("--kvtier-variant", action="append", default=[], type=variant, metavar="NAME=JSON",
+                   help="one more kvtier server, `kvtier-NAME`, with these `kvtier.connector` options (its own SSD "
+                        "tier), measured in the same rounds as `kvtier` and reported against the same base and ideal "
+                        "runs (repeatable)")
     p.add_argument("--kvtier-connector", type=json.loads, default=None, metavar="JSON",
                    help='the kvtier server\'s `kvtier.connector` options, e.g. \'{"async_saves": false}\'')
     p.add_argument("--ssd-admission", default=None, choices=("all", "continuing", "second-sight", "none"),
@@ -397,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not workloads or any(w not in ("reuse", "no-reuse") for w in workloads):
         raise SystemExit(f"--workloads: expected a comma-separated list of reuse, no-reuse; got {args.workloads!r}")
-    names = ["base", "kvtier", *(["ideal"] if args.ideal else [])]
+    variants = {f"kvtier-{n}": opts for n, opts in args.kvtier_variant}
+    names = ["base", "kvtier", *variants, *(["ideal"] if args.ideal else [])]
     servers: dict[str, ServeProcess] = {}
     results: dict[str, dict[str, list[dict[str, float]]]] = {
         w: {n: [] for n in names if w == "reuse" or n != "ideal"} for w in workloads}
@@ -406,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         servers["base"] = ServeProcess("base", work, model, free_port(args.port), vllm_args)
         servers["kvtier"] = ServeProcess("kvtier", work, model, free_port(args.port), vllm_args,
                                          kvtier_server_args(yaml, args.kvtier_connector))
+        for vname, opts in variants.items():
+            vyaml = kvtier_yaml(work / f"lmcache-{vname}.yaml", chunk, args.host_mb, f"{ssd}-{vname}", args.ssd_mb,
+                                kvtier_lines=admission)
+            servers[vname] = ServeProcess(vname, work, model, free_port(args.port), vllm_args,
+                                          kvtier_server_args(vyaml, opts))
         if args.ideal:
             servers["ideal"] = ServeProcess("ideal", work, model, free_port(args.port), ideal_args, env=ideal_env)
         deadline = time.monotonic() + 600
@@ -424,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = results[wl][name][-1]
                     steps = (f", {r['async_loads']:.0f} async loads, {r['steps_per_async_load']:.1f} steps during "
                              f"each, {r['idle_steps']:.0f} idle steps of {r['steps']:.0f}, {r['delayed_frees']:.0f} "
-                             "delayed frees") if name == "kvtier" else ""
+                             "delayed frees") if name.startswith("kvtier") else ""
                     print(f"  round {rnd + 1} {wl:<8} {name:<6}: {r['requests']:.0f} requests ({r['errors']:.0f} "
                           f"errors) in {r['wall_s']:.0f} s, TTFT follow-up mean {r['ttft_follow_mean']:.0f} ms, p99 "
                           f"{r['ttft_follow_p99']:.0f} ms, {r['req_per_s']:.2f} req/s, prefix-cache hits "
@@ -436,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers.values():
             s.stop()
     report(results, reusable if args.ideal else None)
+    for vname in variants:
+        print(f"\n=== {vname} (kvtier.connector {json.dumps(variants[vname])}) against the same base and ideal runs")
+        report({wl: {n: (runs[vname] if n == "kvtier" else runs[n]) for n in runs if not n.startswith("kvtier-")}
+                for wl, runs in results.items()}, reusable if args.ideal else None)
     hits = {t: final.get(("kvtier_connector_hit_tokens_total", (("tier", t),)), 0.0) for t in
             ("gpu", "host", "ssd", "miss")}
     print(f"\nkvtier server /metrics (whole run): hit tokens {hits}, host-pool exhausted "
@@ -463,7 +489,7 @@ def measure(servers: dict[str, ServeProcess], name: str, trace: Path, out: Path,
     after = srv.metrics()
     res.update(vllm_hits(before, after))
     res.update(vllm_engine(before, after))
-    if name == "kvtier":
+    if name.startswith("kvtier"):
         res.update(engine_steps(before, after))
         res.update(kvtier_hits(before, after))
     res["bench_s"] = time.monotonic() - t0

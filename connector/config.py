@@ -57,10 +57,14 @@ class ConnectorOptions:
     prefetch_timeout_s: float = 120.0
     #: saves (GPU -> host tier) run off the engine step on the worker's transfer thread; false: inside the step
     async_saves: bool = True
-    #: tokens that may load inside one engine step, before its forward pass (one request's load fits whole or
-    #: not at all); the other loads run off the step (the request waits in WAITING_FOR_REMOTE_KVS while the others
-    #: keep running). 0: every load off the step. Default 1024: measured (benchmarks/host_loads.py, README)
-    sync_load_budget_tokens: int = 1024
+    #: KV bytes (MiB) that may load inside one engine step, before its forward pass (one request's load fits whole
+    #: or not at all); the other loads run off the step (the request waits in WAITING_FOR_REMOTE_KVS while the
+    #: others keep running, at least one step longer). The stall a load adds to the step grows with its bytes, not
+    #: its tokens: 128 MiB is 1024 tokens of Llama-3-8B (the budget measured with benchmarks/host_loads.py), about
+    #: 5 ms at 25 GB/s host->GPU. 0: every load off the step (`kvtier.connector.load_placement`)
+    sync_load_budget_mb: float = 128.0
+    #: the same budget in tokens; when set it replaces `sync_load_budget_mb` (0: every load off the step)
+    sync_load_budget_tokens: int | None = None
     #: an engine step with nothing to compute while kvtier work is in flight (asynchronous loads, prefetches,
     #: saves that hold blocks) waits up to this long on the worker for one of them to end, with the GIL released,
     #: instead of returning at once: the engine does not spin past a transfer thread that needs the GIL. Bounds
@@ -101,10 +105,16 @@ class ConnectorOptions:
             raise ConfigError(f"{CONNECTOR_KEY}.async_saves must be true or false, got {out.async_saves!r}")
         for name in ("sync_load_budget_tokens", "ssd_stream_chunks"):
             v = getattr(out, name)
+            if v is None and name == "sync_load_budget_tokens":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"{CONNECTOR_KEY}.{name} must be an integer >= 0, got {v!r}" + (
                     " (0: every load off the engine step; a huge value: every load inside it)"
                     if name == "sync_load_budget_tokens" else ""))
+        mb = out.sync_load_budget_mb
+        if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb >= 0:
+            raise ConfigError(f"{CONNECTOR_KEY}.sync_load_budget_mb must be a number >= 0 (MiB of KV per engine "
+                              f"step; 0: every load off the step), got {mb!r}")
         return out
 
 

@@ -54,7 +54,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvtier.connector.scheduler_side import SchedulerSide
 
-            self.scheduler_side = SchedulerSide(vllm_config, self.cfg)
+            self.scheduler_side = SchedulerSide(vllm_config, self.cfg, kv_cache_config)
         else:
             from kvtier.connector.worker_side import WorkerSide
 

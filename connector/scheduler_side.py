@@ -7,11 +7,10 @@
   `next_prefetch` when kvtier's dual-queue scheduler hands its policy over, else a local `DiskHRRNQueue`).
 - `get_num_new_matched_tokens` answers `None` while the request's SSD data is being prefetched (the request waits
   without GPU blocks; others run), then the host-resident prefix (chunk-aligned) beyond vLLM's own cache hit:
-  `(n, False)` (loaded inside the step, before its forward pass) while the step's `sync_load_budget_tokens` has
-  room for it, else `(n, True)` (the request waits in WAITING_FOR_REMOTE_KVS holding its blocks while the worker
-  loads it off the step). SSD chunks the prefetch found no host room for extend the match too: the load streams
-  them from the SSD tier (`LoadSpec.stream_from`, always off the step), so the host tier's free room never caps
-  a request's SSD hits.
+  `(n, False)` (loaded inside the step, before its forward pass) or `(n, True)` (the request waits in
+  WAITING_FOR_REMOTE_KVS holding its blocks while the worker loads it off the step), as `load_placement` says.
+  SSD chunks the prefetch found no host room for extend the match too: the load streams them from the SSD tier
+  (`LoadSpec.stream_from`, always off the step), so the host tier's free room never caps a request's SSD hits.
 - Load or recompute: with kvtier's dual-queue scheduler the hints carry the policy planner's `LoadPlan`
   (`derive_tier_hint(..., planner=policy.planner)`; re-planned when the request's residency or prefetch phase
   changes, not every step). An SSD part the plan recomputes is not prefetched and only the host prefix is
@@ -51,6 +50,7 @@ import msgspec
 from kvtier.compat.vllm_hit_sources import hit_source_labels
 from kvtier.connector import metrics as M
 from kvtier.connector.config import ConnectorConfig
+from kvtier.connector.load_placement import LoadPlacement, sync_budget_tokens
 from kvtier.connector.messages import (
     FinishedSpec,
     KVTierConnectorMetadata,
@@ -67,6 +67,7 @@ from kvtier.connector.scheduler_state import ComputingChunks, FixedPlan, Request
 from kvtier.identity.request import RequestIdentity
 from kvtier.scheduler_hooks.base import SchedulingPolicy
 from kvtier.scheduler_hooks.hint_derivation import derive_tier_hint
+from kvtier.scheduler_hooks.kv_cache_size import kv_bytes_per_token
 from kvtier.scheduler_hooks.load_plan import LoadAction, LoadPlanner, PlanContext
 from kvtier.scheduler_hooks.prefix_walk import overlap
 from kvtier.scheduler_hooks.tier_hint import TierHint
@@ -75,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, cfg: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: Any, cfg: ConnectorConfig, kv_cache_config: Any = None) -> None:
         self.cfg = cfg
         self.chunk = cfg.chunk_size
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -107,7 +108,10 @@ class SchedulerSide:
         self._busy_s = 0.0
         self._step_t: float | None = None
         self._step_busy = False
-        self._sync_budget_used = 0  # tokens answered "load inside the step" since the last metadata
+        opts = cfg.options  # loads inside or off the engine step
+        self.placement = LoadPlacement(sync_budget_tokens(opts.sync_load_budget_mb, opts.sync_load_budget_tokens,
+                                                          kv_bytes_per_token(kv_cache_config)))
+        logger.info("kvtier: loads of up to %d tokens per engine step run inside it", self.placement.budget_tokens)
 
     # ------------------------------------------------------------------ hints
     @property
@@ -346,11 +350,8 @@ class SchedulerSide:
             disk = overlap(num_computed_tokens, end, st.prefetch_from, ssd_end)
             remote = overlap(num_computed_tokens, end, ssd_end, ssd_end + st.prefetch_remote_tokens)
         st.sources = {"host": ext - disk - remote, "disk": disk, "remote": remote}
-        # Loads that fit in the step's synchronous budget run inside the step; the others (and every load that
-        # reads the SSD tier) off it.
-        sync = stream_from is None and ext <= self.cfg.options.sync_load_budget_tokens - self._sync_budget_used
-        if sync:
-            self._sync_budget_used += ext
+        # inside the step while the step's budget has room for it (`load_placement`); every SSD stream off it
+        sync = stream_from is None and self.placement.inside(ext)
         st.async_answer = not sync
         return ext, not sync
 
@@ -484,7 +485,7 @@ class SchedulerSide:
         self._async_loads = []
         md.held = self.saves.take_new_held()
         md.finished, self.finished = self.finished, []
-        self._sync_budget_used = 0
+        self.placement.new_step()
         if not so.num_scheduled_tokens:
             md.idle = True  # the worker waits (bounded) for its loads, prefetches or saves rather than spin
             self.counters["idle_steps"] += 1

@@ -36,6 +36,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvtier.scheduler_hooks.base import TierHintSource
 from kvtier.scheduler_hooks.dual_queue_policy import DualQueueConfig, DualQueuePolicy
+from kvtier.scheduler_hooks.kv_cache_size import kv_bytes_per_token
 from kvtier.scheduler_hooks.tier_hint import TierHint, TierState
 
 logger = logging.getLogger(__name__)
@@ -79,16 +80,7 @@ class DualQueueScheduler(Scheduler):
         with contextlib.suppress(AttributeError, TypeError, ValueError):
             total_blocks = int(self.kv_cache_config.num_blocks)
         return DualQueueConfig.from_keys(extra, gpu_capacity=total_blocks,
-                                         kv_bytes_per_token=self._kv_bytes_per_token())
-
-    def _kv_bytes_per_token(self) -> int | None:
-        """The model's KV bytes per token, from the KV cache spec (every layer of every group)."""
-        try:
-            total = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes / g.kv_cache_spec.block_size
-                        for g in self.kv_cache_config.kv_cache_groups)
-        except (AttributeError, TypeError, ZeroDivisionError):
-            return None
-        return int(total) if total > 0 else None
+                                         kv_bytes_per_token=kv_bytes_per_token(self.kv_cache_config))
 
     # --- hints ---------------------------------------------------------------------------------------------------
     def _kvtier_hint(self, request: Any) -> TierHint:

@@ -51,6 +51,9 @@ def test_valid_config_is_page_first_with_inline_overrides(lmcache_yaml, tmp_path
     ({"kvtier.connector": {"kv_layout": "weird"}}, "kv_layout"),
     ({"kvtier.connector": {"idle_wait_ms": -1}}, "kvtier.connector.idle_wait_ms must be a number >= 0"),
     ({"kvtier.connector": {"idle_wait_ms": "20"}}, "kvtier.connector.idle_wait_ms must be a number >= 0"),
+    ({"kvtier.connector": {"sync_load_budget_mb": -1}}, "kvtier.connector.sync_load_budget_mb must be a number >= 0"),
+    ({"kvtier.connector": {"sync_load_budget_mb": "128"}}, "kvtier.connector.sync_load_budget_mb must be a number"),
+    ({"kvtier.connector": {"sync_load_budget_tokens": 1.5}}, "sync_load_budget_tokens must be an integer >= 0"),
     ({"lmcache_config": "x"}, "unknown key(s) lmcache_config"),
     # kvtier.scheduler is checked by the connector too (an engine without the scheduler hook would ignore it)
     ({"kvtier.scheduler": {"ready_ordr": "hrrn"}}, "kvtier.scheduler: unknown key(s) ready_ordr"),

@@ -383,6 +383,24 @@ def test_async_load_parks_the_request_and_a_pending_save_keeps_its_blocks(reques
     assert "miss" not in sched.requests and c["delayed_frees"] == 1
 
 
+@pytest.mark.parametrize(("budget", "is_async"), [
+    ({}, False),  # 128 MiB: 262,144 tokens of this model (512 bytes of KV per token)
+    ({"sync_load_budget_mb": 64 * 512 / 2**20}, False),  # exactly the 64 tokens of the load
+    ({"sync_load_budget_mb": 63 * 512 / 2**20}, True),  # one token short: the whole load goes off the step
+    ({"sync_load_budget_mb": 0}, True),
+    ({"sync_load_budget_mb": 0, "sync_load_budget_tokens": 64}, False),  # tokens, when set, replace the bytes
+])
+def test_the_budget_of_loads_inside_the_step_is_bytes_of_this_models_kv(request, budget, is_async):
+    """The scheduler side reads the model's KV bytes per token from vLLM's KV cache config (one layer, 2 KV heads
+    of 32, fp32: 512 bytes) and turns `sync_load_budget_mb` into tokens with it."""
+    sched, _ = make_scheduler(request, None, budget)
+    assert sched.connector.scheduler_side.placement.budget_tokens == (
+        64 if "sync_load_budget_tokens" in budget else int(budget.get("sync_load_budget_mb", 128) * 2**20 // 512))
+    sched.add_request(make_request("host", 1, n=200))  # 64 tokens in the host tier
+    md = sched.schedule().kv_connector_metadata
+    assert [(s.req_id, s.is_async, s.load_end) for s in md.loads] == [("host", is_async, 64)]
+
+
 def _plan_scheduler(request, keys, polls_needed=8):
     from kvtier.scheduler_hooks.dual_queue import DualQueueScheduler
 

@@ -79,6 +79,23 @@ def test_run_order_rotates(bench: tuple[ModuleType, ModuleType]) -> None:
     assert [order(["base", "kvtier"], rnd, "reuse") for rnd in range(2)] == [["base", "kvtier"], ["kvtier", "base"]]
 
 
+def test_kvtier_variants_parse_and_run_in_the_rotation(bench: tuple[ModuleType, ModuleType]) -> None:
+    """`--kvtier-variant NAME=JSON`: one more kvtier server per variant, in every round's rotation."""
+    import argparse
+
+    aiperf, _ = bench
+    assert aiperf.variant('inside={"sync_load_budget_tokens": 1048576}') == (
+        "inside", {"sync_load_budget_tokens": 1048576})
+    assert aiperf.variant("measured={}") == ("measured", {})
+    for bad in ("inside", "Inside={}", "x=[1]", "x={", "=", "a-b={}"):
+        with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+            aiperf.variant(bad)
+    names = ["base", "kvtier", "kvtier-inside", "ideal"]
+    firsts = {aiperf.run_order(names, rnd, "reuse")[0] for rnd in range(4)}
+    assert firsts == set(names)
+    assert aiperf.run_order(names, 2, "no-reuse") == ["kvtier-inside", "base", "kvtier"]
+
+
 def test_hit_deltas(bench: tuple[ModuleType, ModuleType]) -> None:
     aiperf = bench[0]
     before = {("vllm:prefix_cache_queries_total", ()): 100.0, ("vllm:prefix_cache_hits_total", ()): 40.0,
