@@ -387,7 +387,6 @@ def main(argv: list[str] | None = None) -> int:
     page, chunk = 32, 64
     ssd = args.ssd_path or str(work / "ssd")
     admission = f"  kvtier.ssd_admission:\n    policy: {args.ssd_admission}\n" if args.ssd_admission else ""
-    yaml = kvtier_yaml(work / "lmcache-kvtier.yaml", chunk, args.host_mb, ssd, args.ssd_mb, kvtier_lines=admission)
     vllm_args = vllm_server_args(args, page)
     n_follow = sum(follow)
     n_ideal = ideal_blocks(reuse, args.block_tokens, page, args.concurrency)
@@ -421,13 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     ideal_tokens: int | None = None
     try:
         servers["base"] = ServeProcess("base", work, model, free_port(args.port), vllm_args)
-        servers["kvtier"] = ServeProcess("kvtier", work, model, free_port(args.port), vllm_args,
-                                         kvtier_server_args(yaml, args.kvtier_connector))
-        for vname, opts in variants.items():
-            vyaml = kvtier_yaml(work / f"lmcache-{vname}.yaml", chunk, args.host_mb, f"{ssd}-{vname}", args.ssd_mb,
-                                kvtier_lines=admission)
-            servers[vname] = ServeProcess(vname, work, model, free_port(args.port), vllm_args,
-                                          kvtier_server_args(vyaml, opts))
+        for kname, opts in {"kvtier": args.kvtier_connector, **variants}.items():  # each its own SSD tier
+            yaml = kvtier_yaml(work / f"lmcache-{kname}.yaml", chunk, args.host_mb,
+                               ssd if kname == "kvtier" else f"{ssd}-{kname}", args.ssd_mb, kvtier_lines=admission)
+            servers[kname] = ServeProcess(kname, work, model, free_port(args.port), vllm_args,
+                                          kvtier_server_args(yaml, opts))
         if args.ideal:
             servers["ideal"] = ServeProcess("ideal", work, model, free_port(args.port), ideal_args, env=ideal_env)
         deadline = time.monotonic() + 600

@@ -8,10 +8,7 @@ loads inside an engine step). Reads attributes only; no vLLM import.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["kv_bytes_per_token"]
 
